@@ -1,0 +1,30 @@
+"""qlab.kernels: the Triton kernels of the kernel labs (notebooks 08-11).
+
+Same source, three ways: natively on a CUDA GPU; on any Linux CPU through the Triton
+interpreter (picked automatically when no GPU is present); and compiled ahead of
+time for sm_80/sm_90/sm_100 in the tests. Every kernel is tested against qlab.
+
+    dequantize_int4(packed, scales, group_size)      the primer (bit-exact with qlab)
+    pack_w4a16(weight, group_size) / w4a16_linear    weight-only int4, 16-bit activations
+    pack_fp8(weight, granularity) / fp8_linear       W8A8 FP8 E4M3 with on-the-fly act quant
+"""
+
+# _backend first: it sets TRITON_INTERPRET before any @triton.jit runs.
+from qlab.kernels._backend import DEVICE, HAS_CUDA, INTERPRET  # isort: skip
+from qlab.kernels.dequant import dequantize_int4
+from qlab.kernels.fp8 import FP8Weight, fp8_linear, pack_fp8, quantize_act_fp8
+from qlab.kernels.w4a16 import W4A16Weight, pack_w4a16, w4a16_linear
+
+__all__ = [
+    "DEVICE",
+    "HAS_CUDA",
+    "INTERPRET",
+    "dequantize_int4",
+    "W4A16Weight",
+    "pack_w4a16",
+    "w4a16_linear",
+    "FP8Weight",
+    "pack_fp8",
+    "fp8_linear",
+    "quantize_act_fp8",
+]

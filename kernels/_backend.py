@@ -1,0 +1,63 @@
+"""Pick where Triton kernels run, BEFORE any @triton.jit decorator executes.
+
+    CUDA GPU present      -> kernels compile and run natively on the GPU
+    no CUDA GPU (laptop)  -> TRITON_INTERPRET=1: the same kernel source runs on the
+                             CPU through Triton's interpreter (numpy), slowly but
+                             with the same semantics, so the kernel labs work anywhere
+                             Triton installs (Linux; there are no macOS/Windows wheels).
+
+`@triton.jit` reads TRITON_INTERPRET when it decorates a function, so this module
+must be imported before the kernel modules; qlab/kernels/__init__.py imports it first.
+An explicit TRITON_INTERPRET=1 on a GPU machine is respected (useful for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+NO_TRITON_MESSAGE = (
+    "qlab.kernels needs Triton, which ships wheels for Linux only (no macOS or Windows). "
+    "Run the kernel notebooks (08-11) on Linux, a GPU box or Google Colab: "
+    "`pip install triton` there. Every other notebook works without it."
+)
+
+HAS_CUDA: bool = torch.cuda.is_available()
+
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    print(
+        "qlab.kernels: no CUDA GPU found, running Triton kernels on the CPU interpreter "
+        "(correct results, not performance).",
+        file=sys.stderr,
+    )
+
+# Triton >= 3.9 warns on every GPU compile unless this is set; "1" keeps the behaviour
+# of every earlier release (mul+add may fuse into FMA). No effect on older Triton.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+try:
+    import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is settled)
+except ImportError as err:  # pragma: no cover - exercised on macOS/Windows only
+    raise ImportError(NO_TRITON_MESSAGE) from err
+
+#: True when kernels run on Triton's CPU interpreter.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+#: Where kernel inputs should live: "cuda" with a GPU, else "cpu".
+DEVICE: str = "cuda" if HAS_CUDA else "cpu"
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Kernels need their tensors on DEVICE (CPU tensors only under the interpreter)."""
+    for t in tensors:
+        if not INTERPRET and t.device.type != "cuda":
+            raise ValueError(
+                f"tensor on {t.device} but Triton kernels run on the GPU here; "
+                "move inputs with .cuda() (or .to(qlab.kernels.DEVICE))"
+            )
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"inputs are on different devices {sorted(map(str, devices))}")

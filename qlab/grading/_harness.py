@@ -1,0 +1,157 @@
+"""Plain-data wire format between the grader and a student's kernel.
+
+This file has two lives:
+- imported normally (``qlab.grading._harness``) by the learner-side ``check`` and by
+  the grader, which use :func:`encode` / :func:`decode`;
+- its SOURCE TEXT is sent into a student's kernel by ``qlab grade`` and run there in
+  a private namespace (it must not import qlab: a student may have patched it).
+
+Only plain data crosses the boundary: JSON whose leaves are ``None``, ``bool``,
+``int``, ``str``, floats as ``float.hex`` strings, and tensors as
+``{"__tensor__": dtype, "shape": [...], "data": base64 of the raw little-endian
+bytes}``. Anything else a student function returns (a tensor subclass, an object
+with a lying ``__eq__`` or ``__array__``) is refused with a message, and the grader
+rebuilds tensors from bytes in its own process (:func:`decode` validates every field).
+"""
+
+import base64
+import json
+import sys
+
+import numpy as np
+import torch
+
+# dtype name -> (torch dtype, numpy dtype); bfloat16 is sent as float32 (exact).
+_DTYPES = {
+    "bool": (torch.bool, np.bool_),
+    "uint8": (torch.uint8, np.uint8),
+    "int8": (torch.int8, np.int8),
+    "int16": (torch.int16, np.int16),
+    "int32": (torch.int32, np.int32),
+    "int64": (torch.int64, np.int64),
+    "float16": (torch.float16, np.float16),
+    "float32": (torch.float32, np.float32),
+    "float64": (torch.float64, np.float64),
+}
+_TORCH_NAME = {v[0]: k for k, v in _DTYPES.items()}
+_NUMPY_NAME = {np.dtype(v[1]): k for k, v in _DTYPES.items()}
+_MAX_DEPTH = 8
+
+
+class WireError(ValueError):
+    """A value that cannot cross the grader boundary (wrong type, bad bytes)."""
+
+
+def _tensor_to_wire(a: np.ndarray, name: str) -> dict:
+    a = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False)
+    return {
+        "__tensor__": name,
+        "shape": [int(n) for n in a.shape],
+        "data": base64.b64encode(a.tobytes()).decode("ascii"),
+    }
+
+
+def encode(obj, _depth=0):
+    """Python value -> JSON-able plain data. Exact types only (no subclasses)."""
+    if _depth > _MAX_DEPTH:
+        raise WireError("return value nested too deeply")
+    t = type(obj)
+    if obj is None or t is bool or t is int or t is str:
+        return obj
+    if t is float:
+        return {"__float__": obj.hex()}
+    if t is torch.Tensor:
+        a = obj.detach()
+        if a.device.type != "cpu":
+            a = a.cpu()
+        if a.dtype == torch.bfloat16:
+            a = a.float()  # exact: every bfloat16 is a float32
+        if a.dtype not in _TORCH_NAME:
+            raise WireError(f"tensors of dtype {a.dtype} are not accepted; return an integer "
+                            "or float tensor (uint8, int8..int64, float16, float32, float64)")
+        return _tensor_to_wire(a.contiguous().numpy(), _TORCH_NAME[a.dtype])
+    if t is np.ndarray:
+        if obj.dtype not in _NUMPY_NAME:
+            raise WireError(f"arrays of dtype {obj.dtype} are not accepted")
+        return _tensor_to_wire(obj, _NUMPY_NAME[obj.dtype])
+    if isinstance(obj, np.generic) and t.__module__ == "numpy":
+        return encode(obj.item(), _depth + 1)
+    if t is tuple or t is list:
+        return {"__seq__": [encode(v, _depth + 1) for v in obj]}
+    raise WireError(
+        f"a {t.__module__}.{t.__qualname__} cannot be graded: return plain torch "
+        "tensors, Python numbers, or tuples of them"
+    )
+
+
+def decode(obj, _depth=0, _budget=None):
+    """Plain data -> Python/torch values, validating every field (grader side)."""
+    if _budget is None:
+        _budget = [256 * 2**20]
+    if _depth > _MAX_DEPTH + 1:
+        raise WireError("value nested too deeply")
+    t = type(obj)
+    if obj is None or t is bool or t is int or t is str:
+        return obj
+    if t is not dict:
+        raise WireError(f"unexpected {t.__name__} on the wire")
+    if set(obj) == {"__float__"} and type(obj["__float__"]) is str:
+        return float.fromhex(obj["__float__"])
+    if set(obj) == {"__seq__"} and type(obj["__seq__"]) is list:
+        return tuple(decode(v, _depth + 1, _budget) for v in obj["__seq__"])
+    if set(obj) == {"__tensor__", "shape", "data"}:
+        name, shape, data = obj["__tensor__"], obj["shape"], obj["data"]
+        if type(name) is not str or name not in _DTYPES:
+            raise WireError(f"unknown dtype {name!r}")
+        if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+            raise WireError("bad shape")
+        if type(data) is not str:
+            raise WireError("bad tensor data")
+        raw = base64.b64decode(data, validate=True)
+        _budget[0] -= len(raw)
+        if _budget[0] < 0:
+            raise WireError("returned data too large")
+        tdtype, npdtype = _DTYPES[name]
+        n = 1
+        for d in shape:
+            n *= d
+        if n * np.dtype(npdtype).itemsize != len(raw):
+            raise WireError("tensor bytes do not match its shape")
+        a = np.frombuffer(raw, dtype=np.dtype(npdtype).newbyteorder("<")).reshape(shape)
+        return torch.from_numpy(a.astype(npdtype, copy=True))
+    raise WireError("unexpected object on the wire")
+
+
+def dumps(obj) -> str:
+    return json.dumps(encode(obj), separators=(",", ":"), allow_nan=False)
+
+
+def loads(text: str):
+    return decode(json.loads(text))
+
+
+def run_cases(fn, cases):
+    """Call fn(*args) for each case; return one plain record per case."""
+    records = []
+    for args in cases:
+        try:
+            out = fn(*args)
+            records.append({"ok": encode(out)})
+        except (Exception, SystemExit) as e:  # the student's error is the result
+            records.append({"error": f"{type(e).__name__}: {e}"[:500]})
+    return records
+
+
+def _kernel_main(user_ns, func_name, payload, nonce, limit):
+    """Entry point inside the student's kernel (called by the grader's cell)."""
+    cases = [decode(c) for c in json.loads(base64.b64decode(payload))]
+    fn = user_ns.get(func_name)
+    if fn is None or not callable(fn):
+        result = {"missing": f"no function named {func_name!r} is defined in the notebook"}
+    else:
+        result = {"records": run_cases(fn, cases)}
+    text = json.dumps(result, separators=(",", ":"), allow_nan=False)
+    if len(text) > limit:
+        text = json.dumps({"missing": f"the output of {func_name} is too large to grade"})
+    sys.stdout.write("\n" + nonce + " " + text + "\n")
+    sys.stdout.flush()

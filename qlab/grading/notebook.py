@@ -1,0 +1,138 @@
+"""Notebook plumbing shared by ``qlab assign`` and ``qlab grade``.
+
+Cells follow nbgrader's v3 metadata (``metadata.nbgrader``):
+- solution cell: ``solution: true``; the code between ``### BEGIN SOLUTION`` and
+  ``### END SOLUTION`` is the answer, replaced by a stub in exercises/;
+- grade (check) cell: ``grade: true, solution: false, locked: true, points: N``; its
+  ``grade_id`` is the task's id in the registry;
+- everything else: ``locked: true`` (read-only in exercises/).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import nbformat
+
+__all__ = [
+    "BEGIN", "END", "STUB", "is_grade_cell", "is_solution_cell", "make_exercise",
+    "assign_dir", "read_notebook", "assignment_of",
+]
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
+_CHECK_CALL = re.compile(r"\bcheck\s*\(")
+
+
+def _nbg(cell) -> dict:
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return meta if isinstance(meta, dict) else {}
+
+
+def is_grade_cell(cell) -> bool:
+    """A check cell: nbgrader grade cell without a solution, or any code cell calling check(.
+
+    The grader never runs these (it runs its own checks), whatever their source says.
+    """
+    if cell.get("cell_type") != "code":
+        return False
+    meta = _nbg(cell)
+    if meta.get("grade") is True and meta.get("solution") is not True:
+        return True
+    return bool(_CHECK_CALL.search(cell.get("source", "")))
+
+
+def is_solution_cell(cell) -> bool:
+    return cell.get("cell_type") == "code" and _nbg(cell).get("solution") is True
+
+
+def _stub_solution(source: str) -> str:
+    """Replace each BEGIN/END SOLUTION region by STUB, at the BEGIN line's indentation."""
+    out, inside = [], False
+    for line in source.splitlines():
+        if line.strip() == BEGIN:
+            if inside:
+                raise ValueError(f"nested {BEGIN!r}")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            out.extend(indent + s for s in STUB.splitlines())
+        elif line.strip() == END:
+            if not inside:
+                raise ValueError(f"{END!r} without {BEGIN!r}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{BEGIN!r} without {END!r}")
+    return "\n".join(out)
+
+
+def make_exercise(nb: nbformat.NotebookNode, assignment: str) -> nbformat.NotebookNode:
+    """The learner's copy: solutions stubbed, outputs stripped, every non-answer cell locked."""
+    nb = copy.deepcopy(nb)
+    nb.metadata["qlab"] = {"assignment": assignment}
+    for cell in nb.cells:
+        meta = cell.setdefault("metadata", {})
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+        if is_solution_cell(cell):
+            if BEGIN not in cell.source:
+                raise ValueError(f"solution cell {_nbg(cell).get('grade_id')!r} has no {BEGIN}")
+            cell.source = _stub_solution(cell.source)
+            meta.pop("editable", None)
+            meta.pop("deletable", None)
+        else:
+            meta["editable"] = False
+            meta["deletable"] = False
+            if "nbgrader" in meta:
+                meta["nbgrader"]["locked"] = True
+        meta.pop("execution", None)
+    return nb
+
+
+def read_notebook(path: str | Path) -> nbformat.NotebookNode:
+    return nbformat.read(str(path), as_version=4)
+
+
+def assignment_of(nb: nbformat.NotebookNode | None, path: Path, known: list[str]) -> str | None:
+    """Which assignment a submission is: metadata set by `qlab assign`, else the file name."""
+    if nb is not None:
+        meta = nb.get("metadata", {}).get("qlab", {})
+        name = meta.get("assignment") if isinstance(meta, dict) else None
+        if isinstance(name, str) and name in known:
+            return name
+    stem = path.stem
+    for name in sorted(known, key=len, reverse=True):
+        if name in stem:
+            return name
+    return None
+
+
+def assign_dir(source: Path, dest: Path, check: bool = False) -> list[str]:
+    """Generate dest/*.ipynb from source/*.ipynb. Returns the drifted/written file names.
+
+    With check=True nothing is written: the names of the files that would change
+    (missing, different, or extra in dest) are returned.
+    """
+    changed = []
+    wanted = {}
+    for src in sorted(Path(source).glob("*.ipynb")):
+        nb = read_notebook(src)
+        text = nbformat.writes(make_exercise(nb, src.stem)) + "\n"
+        wanted[src.name] = text
+        target = Path(dest) / src.name
+        old = target.read_text(encoding="utf-8") if target.exists() else None
+        if old != text:
+            changed.append(src.name)
+            if not check:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text, encoding="utf-8")
+    if Path(dest).exists():
+        for extra in sorted(Path(dest).glob("*.ipynb")):
+            if extra.name not in wanted:
+                changed.append(f"{extra.name} (no solution notebook)")
+    return changed

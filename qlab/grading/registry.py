@@ -1,0 +1,278 @@
+"""The task registry: grade_id -> (function name, points, inputs, reference, comparator).
+
+A task is checked on FRESH inputs drawn from a seeded generator, against a reference
+that calls qlab (the single source of truth; never a re-implementation here), by a
+comparator that is bit-exact where the arithmetic is the same and states its tolerance
+otherwise. The same Task object serves the learner's ``check`` cell and ``qlab grade``.
+See README.md in this folder for how to add a task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from qlab.grading import _harness
+
+__all__ = [
+    "Task", "register", "get_task", "all_tasks", "assignment_tasks", "assignments",
+    "exact", "close", "compare_values", "evaluate", "TaskResult", "case_seed",
+]
+
+Case = tuple  # positional arguments of one call
+Comparator = Callable[[Any, Any, Case], "str | None"]
+
+
+def compare_values(expected: Any, got: Any, args: Case = (), *, rtol: float = 0.0,
+                   atol: float = 0.0, signed_zero: bool = False,
+                   names: tuple[str, ...] = (), path: str = "output") -> str | None:
+    """None when ``got`` matches ``expected``, else a hint naming the first bad element.
+
+    Tensors: same shape; integer references need an integer tensor; floats match when
+    |got - expected| <= atol + rtol * |expected| (0, 0: bit-exact values; NaN matches NaN;
+    with ``signed_zero`` -0.0 and +0.0 differ). Tuples match element by element.
+    """
+    if isinstance(expected, tuple):
+        if type(got) is not tuple or len(got) != len(expected):
+            what = ", ".join(names) if names else f"{len(expected)} values"
+            return f"{path}: expected a tuple ({what}), got {_kind(got)}"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            sub = names[i] if i < len(names) else f"{path}[{i}]"
+            hint = compare_values(e, g, args, rtol=rtol, atol=atol,
+                                  signed_zero=signed_zero, path=sub)
+            if hint:
+                return hint
+        return None
+    if expected is None:
+        return None if got is None else f"{path}: expected None, got {_kind(got)}"
+    if isinstance(expected, (bool, int, float)) and not isinstance(expected, torch.Tensor):
+        if type(got) in (bool, int, float):
+            g = got
+        elif isinstance(got, torch.Tensor) and got.numel() == 1:
+            g = got.reshape(()).item()
+        else:
+            return f"{path}: expected a number, got {_kind(got)}"
+        e_t = torch.tensor(expected, dtype=torch.float64)
+        g_t = torch.tensor(g, dtype=torch.float64)
+        if _bad_mask(e_t, g_t, rtol, atol, signed_zero).item():
+            return f"{path}: expected {expected!r}, got {g!r}" + _tol_note(rtol, atol)
+        return None
+    if not isinstance(expected, torch.Tensor):
+        raise TypeError(f"reference returned {type(expected).__name__}; fix the task")
+    if type(got) in (int, float, bool) and expected.ndim == 0:
+        got = torch.tensor(got)
+    if not isinstance(got, torch.Tensor):
+        return f"{path}: expected a tensor of shape {tuple(expected.shape)}, got {_kind(got)}"
+    if tuple(got.shape) != tuple(expected.shape):
+        return (f"{path}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+                + _shape_note(args))
+    integer_ref = not expected.dtype.is_floating_point
+    if integer_ref and got.dtype.is_floating_point:
+        return (f"{path}: expected an integer tensor (like {expected.dtype}), got {got.dtype}; "
+                "round, then cast with .to(...)")
+    if integer_ref:
+        bad = expected.to(torch.int64) != got.to(torch.int64)
+    else:
+        bad = _bad_mask(expected.to(torch.float64), got.to(torch.float64), rtol, atol,
+                        signed_zero)
+    n_bad = int(bad.sum())
+    if n_bad == 0:
+        return None
+    flat = int(bad.reshape(-1).nonzero()[0, 0])
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape)) \
+        if expected.ndim else ()
+    e_val, g_val = expected.reshape(-1)[flat].item(), got.reshape(-1)[flat].item()
+    where = f"{path}[{', '.join(map(str, idx))}]" if idx else path
+    msg = (f"{where}: expected {_fmt(e_val)}, got {_fmt(g_val)} "
+           f"({n_bad} of {expected.numel()} elements differ)")
+    return msg + _input_note(args, expected.shape, idx) + _tol_note(rtol, atol)
+
+
+def _bad_mask(e, g, rtol, atol, signed_zero):
+    both_nan = torch.isnan(e) & torch.isnan(g)
+    if rtol == 0 and atol == 0:
+        ok = (e == g) | both_nan
+    else:
+        ok = ((g - e).abs() <= atol + rtol * e.abs()) | (e == g) | both_nan
+    if signed_zero:
+        ok &= ~((e == 0) & (g == 0) & (torch.signbit(e) != torch.signbit(g)))
+    return ~ok
+
+
+def _fmt(v: Any) -> str:
+    return repr(v) if not isinstance(v, float) else f"{v!r}"
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+    if isinstance(v, tuple):
+        return f"a tuple of {len(v)}"
+    return type(v).__name__
+
+
+def _tol_note(rtol: float, atol: float) -> str:
+    return f" [tolerance rtol={rtol:g}, atol={atol:g}]" if (rtol or atol) else ""
+
+
+def _shape_note(args: Case) -> str:
+    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    return f" (input shapes {shapes})" if shapes else ""
+
+
+def _input_note(args: Case, shape: torch.Size, idx: tuple) -> str:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and tuple(a.shape) == tuple(shape) and idx:
+            return f"; input arg {i} at that index = {_fmt(a[idx].item())}"
+    return ""
+
+
+def exact(names: tuple[str, ...] = (), signed_zero: bool = False) -> Comparator:
+    """Bit-exact comparison of values (integers, and floats where the arithmetic is the same)."""
+    def cmp(expected, got, args):
+        return compare_values(expected, got, args, names=names, signed_zero=signed_zero)
+    cmp.describe = "bit-exact"
+    return cmp
+
+
+def close(rtol: float, atol: float = 0.0, names: tuple[str, ...] = ()) -> Comparator:
+    """|got - expected| <= atol + rtol*|expected|; give the reason for the tolerance in the task."""
+    def cmp(expected, got, args):
+        return compare_values(expected, got, args, rtol=rtol, atol=atol, names=names)
+    cmp.describe = f"rtol={rtol:g}, atol={atol:g}"
+    return cmp
+
+
+@dataclass(frozen=True)
+class Task:
+    """One graded task (one nbgrader grade cell).
+
+    grade_id:   the id of the check cell (nbgrader ``grade_id``) and the CSV column.
+    func_name:  the function the learner defines in the solution cell.
+    points:     awarded only if every case matches.
+    assignment: the notebook stem it belongs to, e.g. "01_affine".
+    cases:      seeded generator -> list of positional-argument tuples (fresh inputs).
+    reference:  *args -> expected value, calling qlab.
+    compare:    (expected, got, args) -> None or a hint string.
+    """
+
+    grade_id: str
+    func_name: str
+    points: int
+    assignment: str
+    cases: Callable[[torch.Generator], list[Case]]
+    reference: Callable[..., Any]
+    compare: Comparator = field(default_factory=exact)
+    signature: str = ""
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    """Add a task to the registry (module import time). grade_ids are unique."""
+    old = _TASKS.get(task.grade_id)
+    if old is not None and old is not task:
+        raise ValueError(f"grade_id {task.grade_id!r} is registered twice")
+    _TASKS[task.grade_id] = task
+    return task
+
+
+def _load() -> None:
+    from qlab.grading import tasks  # noqa: F401  (imports every task module)
+
+
+def get_task(grade_id: str) -> Task:
+    _load()
+    try:
+        return _TASKS[grade_id]
+    except KeyError:
+        raise KeyError(f"no task {grade_id!r}; known: {sorted(_TASKS)}") from None
+
+
+def all_tasks() -> dict[str, Task]:
+    _load()
+    return dict(_TASKS)
+
+
+def assignments() -> dict[str, list[str]]:
+    """assignment name -> its grade_ids in registration order."""
+    out: dict[str, list[str]] = {}
+    for t in all_tasks().values():
+        out.setdefault(t.assignment, []).append(t.grade_id)
+    return out
+
+
+def assignment_tasks(name: str) -> list[Task]:
+    ids = assignments().get(name)
+    if not ids:
+        raise KeyError(f"no assignment {name!r}; known: {sorted(assignments())}")
+    return [_TASKS[i] for i in ids]
+
+
+def case_seed(run_seed: int, *parts: str) -> int:
+    """A 63-bit seed from the run seed and names (submission, task): stable, unguessable."""
+    h = hashlib.sha256(str(run_seed).encode())
+    for p in parts:
+        h.update(b"\0" + p.encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+@dataclass
+class TaskResult:
+    grade_id: str
+    score: int
+    max: int
+    passed: bool
+    feedback: str
+    n_cases: int = 0
+
+
+def describe_args(args: Case) -> str:
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{str(a.dtype).removeprefix('torch.')} tensor {tuple(a.shape)}")
+        else:
+            parts.append(repr(a))
+    return "(" + ", ".join(parts) + ")"
+
+
+def evaluate(task: Task, cases: list[Case], records: list[dict] | None,
+             missing: str | None = None) -> TaskResult:
+    """Score one task from the plain records its function produced (grader process)."""
+    def fail(msg: str) -> TaskResult:
+        return TaskResult(task.grade_id, 0, task.points, False, msg, len(cases))
+
+    if missing is not None:
+        return fail(missing)
+    if records is None or len(records) != len(cases):
+        return fail("no result came back from the kernel")
+    for i, (args, rec) in enumerate(zip(cases, records)):
+        label = f"case {i + 1} of {len(cases)} {task.func_name}{describe_args(args)}"
+        if type(rec) is not dict:
+            return fail(f"{label}: malformed result")
+        if "error" in rec:
+            return fail(f"{label} raised {str(rec['error'])[:300]}")
+        try:
+            got = _harness.decode(rec.get("ok"))
+        except (_harness.WireError, ValueError, TypeError) as e:
+            return fail(f"{label}: could not read the result ({e})")
+        expected = task.reference(*_clone(args))
+        hint = task.compare(expected, got, args)
+        if hint:
+            return fail(f"{label}: {hint}")
+    return TaskResult(task.grade_id, task.points, task.points, True,
+                      f"passed {len(cases)} cases", len(cases))
+
+
+def _clone(args: Case) -> Case:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def make_cases(task: Task, seed: int) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    return task.cases(g)

@@ -1,0 +1,48 @@
+"""Chapter 06 (WxAy): pack/unpack int4, the W8A8 and W4A16 reference steps."""
+
+from __future__ import annotations
+
+import torch
+
+import qlab
+from qlab.grading.registry import Task, close, exact, register
+from qlab.grading.tasks._inputs import choice, randint
+
+ASSIGNMENT = "06_wxay"
+
+
+def _pack_cases(g: torch.Generator):
+    cases = []
+    for signed in (True, False, True):
+        lo, hi = (-8, 7) if signed else (0, 15)
+        shape = (randint(g, 1, 5), 2 * randint(g, 1, 24))
+        cases.append((torch.randint(lo, hi + 1, shape, generator=g).to(torch.int8),))
+    # every pair of nibbles once
+    a = torch.arange(16).repeat_interleave(16)
+    b = torch.arange(16).repeat(16)
+    cases.append((torch.stack([a, b], -1).reshape(1, -1).to(torch.uint8) - 0,))
+    return cases
+
+
+register(Task(
+    grade_id="pack_int4", func_name="pack_int4", points=2, assignment=ASSIGNMENT,
+    cases=_pack_cases, reference=lambda codes: qlab.pack_int4(codes),
+    compare=exact(), signature="pack_int4(codes) -> packed uint8 (..., K // 2)",
+))
+
+
+def _unpack_cases(g: torch.Generator):
+    cases = []
+    for signed in (True, False, choice(g, (True, False))):
+        shape = (randint(g, 1, 5), randint(g, 1, 24))
+        cases.append((torch.randint(0, 256, shape, generator=g).to(torch.uint8), signed))
+    cases.append((torch.arange(256).to(torch.uint8).reshape(4, 64), True))
+    return cases
+
+
+register(Task(
+    grade_id="unpack_int4", func_name="unpack_int4", points=2, assignment=ASSIGNMENT,
+    cases=_unpack_cases,
+    reference=lambda packed, signed: qlab.unpack_int4(packed, signed=signed),
+    compare=exact(), signature="unpack_int4(packed, signed) -> codes int8 (..., 2 * K)",
+))

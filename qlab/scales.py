@@ -1,0 +1,138 @@
+"""Scale rules. Each takes blocks of shape (R, G, g) - R rows, G groups of g elements
+along the last axis - and returns (codes (R, G, g), scales (R, G), zero_points or None,
+tensor_scale or None).
+
+Every rule divides x by its scale (a true float32 division, never a multiply by a
+reciprocal), except NF4, which follows bitsandbytes: x * fp32(1 / absmax).
+A group that is all zeros gets codes of 0.0 and dequantizes to zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qlab.formats import FLOATS, get
+from qlab.schemes import Scheme
+
+FP8_E4M3 = FLOATS["fp8_e4m3fn"]
+NVFP4_TENSOR_DIVISOR = 6.0 * 448.0  # 2688: FP4 max * E4M3 max
+NVFP4_BLOCK_SCALE_MIN = 2.0**-6  # smallest normal E4M3: all-zero blocks come back as zeros
+NF4_DQ_BLOCK = 256  # QLoRA double quantization: one fp32 scale per 256 absmax values
+
+
+def _amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Max |x| over the last axis; an empty last axis gives 0. NaN propagates."""
+    if blocks.shape[-1] == 0:
+        return blocks.new_zeros(blocks.shape[:-1])
+    return blocks.abs().amax(dim=-1)
+
+
+def _nonzero(s: torch.Tensor) -> torch.Tensor:
+    """Scale to divide by: 1 where the scale is 0 (all-zero group -> codes of 0)."""
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def _store(s: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    stored = s.to(scheme.scale_dtype)
+    if bool(torch.isinf(stored).any()):
+        raise ValueError(
+            f"a scale of {float(s.max()):.4g} overflows {scheme.scale_dtype} in scheme "
+            f"{scheme.name!r}; rescale the tensor or use "
+            f"dataclasses.replace(qlab.get_scheme({scheme.name!r}), scale_dtype=torch.float32)"
+        )
+    return stored
+
+
+def absmax(blocks, scheme):
+    """Symmetric: s = absmax / grid.max (stored in scheme.scale_dtype); codes = grid(x / s)."""
+    grid = scheme.grid
+    scales = _store(_amax(blocks) / grid.max, scheme)
+    codes = grid.encode(blocks / _nonzero(scales.float())[..., None])
+    return codes, scales, None, None
+
+
+def minmax(blocks, scheme):
+    """Asymmetric: s = (max - min) / (2^b - 1) over a range that includes 0,
+    z = round(-min / s), q = clamp(round(x / s) + z, 0, 2^b - 1). Real 0 maps to q = z,
+    so it dequantizes to exactly 0 (zero padding and ReLU zeros stay exact)."""
+    grid = scheme.grid
+    if blocks.shape[-1] == 0:
+        lo = hi = blocks.new_zeros(blocks.shape[:-1])
+    else:
+        lo = torch.clamp(blocks.amin(dim=-1), max=0.0)
+        hi = torch.clamp(blocks.amax(dim=-1), min=0.0)
+    scales = _store((hi - lo) / grid.qmax, scheme)
+    s = _nonzero(scales.float())
+    zero_points = torch.clamp(torch.round(-lo / s), 0, grid.qmax)
+    codes = grid.encode(torch.round(blocks / s[..., None]) + zero_points[..., None])
+    return codes, scales, zero_points.to(torch.uint8), None
+
+
+def nf4(blocks, scheme):
+    """bitsandbytes' NF4 blockwise: codes = nf4(fp32(x * fp32(1/absmax))), absmax in fp32.
+
+    With double quantization (QLoRA) the absmax values are quantized again: their mean
+    is subtracted and the rest is stored as int8 with one fp32 absmax scale per 256
+    values; dequantization then uses those reconstructed absmax values. (bitsandbytes
+    stores them with its own 8-bit "dynamic" tree map instead of int8.)"""
+    amax = _amax(blocks)
+    inv = torch.where(amax == 0, torch.zeros_like(amax), 1.0 / amax)
+    codes = scheme.grid.encode(blocks * inv[..., None])
+    scales = double_quantize(amax) if scheme.double_quant else amax
+    return codes, scales, None, None
+
+
+def double_quantize(amax: torch.Tensor) -> torch.Tensor:
+    """Reconstructed absmax after QLoRA-style double quantization (see nf4)."""
+    from qlab.quantize import fake_quantize
+
+    flat = amax.reshape(-1)
+    if flat.numel() == 0:
+        return amax
+    offset = flat.mean()
+    pad = (-flat.numel()) % NF4_DQ_BLOCK
+    centred = torch.nn.functional.pad(flat - offset, (0, pad))
+    int8_fp32 = Scheme("int8_fp32", "int8", "absmax", scale_bits=32, scale_dtype=torch.float32)
+    rebuilt = fake_quantize(centred, int8_fp32, NF4_DQ_BLOCK)[: flat.numel()] + offset
+    return rebuilt.reshape(amax.shape)
+
+
+def e8m0(blocks, scheme):
+    """OCP MX v1.0, section 6.3: X = 2^(floor(log2(amax)) - emax_elem), clamped to
+    [-127, 127] (the E8M0 range). floor(log2) is read from the float32 exponent bits,
+    not computed with log2 (which rounds up just below powers of two). Elements are
+    the grid's RNE saturating encode of x / X. An all-zero block gets X = 2^-127; a
+    block holding NaN or inf gets a NaN scale, and so dequantizes to NaN."""
+    grid = scheme.grid
+    amax = _amax(blocks)
+    exp_bits = (amax.view(torch.int32) >> 23) & 0xFF  # biased exponent; 0 for 0/subnormals
+    shared = torch.clamp(exp_bits - 127 - grid.emax, -127, 127)
+    scales = torch.ldexp(torch.ones_like(amax), shared)
+    finite = torch.isfinite(amax)
+    scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
+    clean = torch.where(torch.isfinite(blocks), blocks, torch.zeros_like(blocks))
+    codes = grid.encode(clean / torch.where(finite, scales, 1.0)[..., None])
+    return codes, scales, None, None
+
+
+def nvfp4(blocks, scheme):
+    """NVFP4, all in fp32: ts = amax / 2688; bs = E4M3(clamp((block_amax / 6) / ts,
+    2^-6, 448)); e = E2M1(x / (ts * bs)) RNE saturating; x_hat = e * (ts * bs).
+    (Some implementations skip the 2^-6 floor; then an all-zero block divides 0 by 0.)"""
+    grid = scheme.grid
+    tensor_amax = _amax(blocks.reshape(1, -1))[0]
+    ts = tensor_amax / NVFP4_TENSOR_DIVISOR
+    block_amax = _amax(blocks)
+    bs_hp = (block_amax / 6.0) / ts if float(ts) > 0 else torch.zeros_like(block_amax)
+    bs_hp = torch.clamp(bs_hp, NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max)
+    bs = FP8_E4M3.decode(FP8_E4M3.encode(bs_hp))
+    codes = grid.encode(blocks / _nonzero(ts * bs)[..., None])
+    return codes, bs, None, ts
+
+
+RULES = {"absmax": absmax, "minmax": minmax, "nf4": nf4, "e8m0": e8m0, "nvfp4": nvfp4}
+
+
+def element_values(scheme: Scheme, codes: torch.Tensor) -> torch.Tensor:
+    """Decode codes to grid values (float32)."""
+    return get(scheme.element).decode(codes)

@@ -1,0 +1,161 @@
+"""The format explorer: a value goes in, its code, fields and neighbours come out.
+
+Pick an element format (FP8, FP6, FP4, E8M0, NF4, INT) and type a real value: the
+explorer encodes it with ``qlab.formats.get(name).encode`` (round-half-to-even,
+saturating), shows the code in binary split into sign/exponent/mantissa, the value
+the code decodes to, the rounding error, and the representable neighbours on
+either side (the local step of the grid).
+
+``describe_value`` is the logic (plain data); ``FormatExplorer`` displays it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ipywidgets as W
+import numpy as np
+import torch
+
+from qlab import formats
+
+from ._render import figure_png, new_figure
+
+__all__ = ["EXPLORER_FORMATS", "FormatExplorer", "describe_value"]
+
+EXPLORER_FORMATS = (
+    "fp8_e4m3fn",
+    "fp8_e5m2",
+    "fp6_e2m3fn",
+    "fp6_e3m2fn",
+    "fp4_e2m1fn",
+    "e8m0fnu",
+    "nf4",
+    "int8",
+    "int4",
+)
+N_NEIGHBOURS = 3  # representable values drawn on each side
+
+
+def describe_value(fmt_name: str, x: float, saturate: bool = True) -> dict:
+    """Encode one real value in a format and describe the result.
+
+    Returns a dict: format, input, code (int), bits (the code in binary, fields
+    separated by dots for minifloats), fields (sign/exponent/mantissa... as
+    qlab.formats gives them), value (what the code decodes to), below/above (the
+    representable neighbours of that value, None at the ends), step (above - below
+    around the value), abs_error, rel_error (None when undefined), window (a few
+    representable values around it, ascending, for a number line).
+    """
+    fmt = formats.get(fmt_name)
+    code = int(fmt.encode(torch.tensor([float(x)], dtype=torch.float32), saturate=saturate)[0])
+    fields = fmt.fields(code)
+    value = float(fields["value"])
+    values = fmt.values.double().numpy()
+    if math.isfinite(value):
+        i = int(np.searchsorted(values, value))  # values[i] == value (finite codes are listed)
+        below = float(values[i - 1]) if i > 0 else None
+        above = float(values[i + 1]) if i + 1 < len(values) else None
+        lo, hi = max(0, i - N_NEIGHBOURS), min(len(values), i + N_NEIGHBOURS + 1)
+        window = values[lo:hi].astype(np.float64)
+        abs_error = abs(value - float(x)) if math.isfinite(x) else None
+        rel_error = abs_error / abs(x) if abs_error is not None and x != 0 else None
+    else:
+        below = above = abs_error = rel_error = None
+        window = np.zeros(0)
+    step = (above - below) / 2 if below is not None and above is not None else None
+    return {
+        "format": fmt_name,
+        "input": float(x),
+        "code": code,
+        "bits": fields["bits"],
+        "fields": {k: v for k, v in fields.items() if k not in ("code", "bits", "value")},
+        "value": value,
+        "below": below,
+        "above": above,
+        "step": step,
+        "abs_error": abs_error,
+        "rel_error": rel_error,
+        "window": window,
+        "max": float(fmt.max),
+    }
+
+
+def _fmt(v: float | None) -> str:
+    return "—" if v is None else f"{v:.6g}"
+
+
+def describe_html(d: dict) -> str:
+    """The readout table of describe_value's dict."""
+    f = d["fields"]
+    field_rows = "".join(
+        f"<tr><td>{k}</td><td><code>{v}</code></td></tr>" for k, v in f.items()
+    )
+    rel = "—" if d["rel_error"] is None else f"{100 * d['rel_error']:.3g} %"
+    code_hex = d["code"] & 0xFF
+    return (
+        f"<table class='qlab-format-table'>"
+        f"<tr><td>input</td><td><code>{d['input']:.6g}</code></td></tr>"
+        f"<tr><td>code</td><td><code>{d['bits']}</code> (= {d['code']}, 0x{code_hex:02x})</td></tr>"
+        f"{field_rows}"
+        f"<tr><td>decodes to</td><td><b><code>{_fmt(d['value'])}</code></b></td></tr>"
+        f"<tr><td>error</td><td><code>{_fmt(d['abs_error'])}</code> ({rel})</td></tr>"
+        f"<tr><td>neighbours</td><td><code>{_fmt(d['below'])}</code> &lt; · &lt; "
+        f"<code>{_fmt(d['above'])}</code></td></tr>"
+        f"<tr><td>largest value</td><td><code>{d['max']:.6g}</code></td></tr>"
+        f"</table>"
+    )
+
+
+class FormatExplorer(W.VBox):
+    """Format dropdown + value box -> code, fields, decoded value, neighbours, number line."""
+
+    def __init__(self, fmt: str = "fp8_e4m3fn", value: float = 0.3):
+        style = {"description_width": "70px"}
+        self.format = W.Dropdown(options=list(EXPLORER_FORMATS), value=fmt,
+                                 description="format", style=style)
+        self.value = W.FloatText(value=value, description="value", style=style,
+                                 continuous_update=False)
+        self.readout = W.HTML()
+        self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="640px"))
+        self.format.add_class("qlab-format")
+        self.value.add_class("qlab-value")
+        self.readout.add_class("qlab-readout")
+        self.data: dict = {}
+        self._fig, self._ax = new_figure(8.0, 1.6)
+        super().__init__([W.HBox([self.format, self.value]), self.readout, self.image])
+        self.add_class("qlab-format-explorer")
+        self.format.observe(self._on_change, names="value")
+        self.value.observe(self._on_change, names="value")
+        self.update()
+
+    def _on_change(self, _change=None) -> None:
+        self.update()
+
+    def update(self) -> dict:
+        self.data = describe_value(self.format.value, self.value.value)
+        self.readout.value = describe_html(self.data)
+        self._draw()
+        return self.data
+
+    def _draw(self) -> None:
+        d, ax = self.data, self._ax
+        ax.clear()
+        win = d["window"]
+        if len(win):
+            ax.vlines(win, -1, 1, colors="tab:blue", lw=1.5)
+            ax.plot([d["value"]], [0], "o", color="tab:blue", ms=9, label="decoded")
+            for v in win:
+                ax.annotate(f"{v:.4g}", (v, 1.05), ha="center", va="bottom", fontsize=8)
+        x = d["input"]
+        if math.isfinite(x):
+            ax.axvline(x, color="tab:red", lw=1.5, ls="--", label="input")
+        span = [*win, x] if len(win) else [x]
+        lo, hi = min(span), max(span)
+        pad = 0.08 * (hi - lo) if hi > lo else max(abs(lo), 1.0) * 0.1
+        ax.set_xlim(lo - pad, hi + pad)
+        ax.set_ylim(-1.2, 1.8)
+        ax.set_yticks([])
+        ax.set_title(f"{d['format']}: representable values around {x:.4g}", fontsize=9)
+        ax.legend(loc="lower right", fontsize=7)
+        self.image.value = figure_png(self._fig)
