@@ -12,7 +12,7 @@ time for sm_80/sm_90/sm_100 in the tests. Every kernel is tested against qlab.
 # _backend first: it sets TRITON_INTERPRET before any @triton.jit runs.
 from qlab.kernels._backend import DEVICE, HAS_CUDA, INTERPRET  # isort: skip
 from qlab.kernels.dequant import dequantize_int4
-from qlab.kernels.fp8 import FP8Weight, fp8_linear, pack_fp8, quantize_act_fp8
+from qlab.kernels.fp8 import FP8Weight, fp8_linear, fp8_scaled_mm, pack_fp8, quantize_act_fp8
 from qlab.kernels.w4a16 import W4A16Weight, pack_w4a16, w4a16_linear
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "FP8Weight",
     "pack_fp8",
     "fp8_linear",
+    "fp8_scaled_mm",
     "quantize_act_fp8",
 ]

@@ -8,7 +8,9 @@
 
 `@triton.jit` reads TRITON_INTERPRET when it decorates a function, so this module
 must be imported before the kernel modules; qlab/kernels/__init__.py imports it first.
-An explicit TRITON_INTERPRET=1 on a GPU machine is respected (useful for debugging).
+An explicit TRITON_INTERPRET is respected: =1 on a GPU machine interprets (handy for
+debugging with print); =0 on a machine without a GPU gives real @triton.jit kernels
+that can be compiled ahead of time (tests/kernels/test_aot.py) but not launched.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ NO_TRITON_MESSAGE = (
 
 HAS_CUDA: bool = torch.cuda.is_available()
 
-if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
     print(
         "qlab.kernels: no CUDA GPU found, running Triton kernels on the CPU interpreter "
@@ -38,13 +40,34 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 # of every earlier release (mul+add may fuse into FMA). No effect on older Triton.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+_language_was_imported = "triton.language" in sys.modules
+
 try:
-    import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is settled)
+    import triton  # noqa: F401  (imported after TRITON_INTERPRET is settled)
 except ImportError as err:  # pragma: no cover - exercised on macOS/Windows only
     raise ImportError(NO_TRITON_MESSAGE) from err
 
 #: True when kernels run on Triton's CPU interpreter.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _reinterpret_triton_language() -> None:
+    """`import triton` before qlab.kernels built Triton's own @jit library functions
+    (tl.zeros, tl.sum, tl.cdiv, ...) for a GPU; rebuild them for the interpreter, or a
+    kernel would fail with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("triton.language"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                setattr(module, attr, InterpretedFunction(value.fn))
+
+
+if INTERPRET and _language_was_imported:
+    _reinterpret_triton_language()
 
 #: Where kernel inputs should live: "cuda" with a GPU, else "cpu".
 DEVICE: str = "cuda" if HAS_CUDA else "cpu"

@@ -98,7 +98,7 @@ def _blocks(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
         return x2.reshape(1, 1, -1)  # shape: (1, 1, numel)
     if granularity == "channel":
         return x2.reshape(x2.shape[0], 1, x2.shape[1])  # shape: (rows, 1, K)
-    return x2.reshape(x2.shape[0], -1, granularity)  # shape: (rows, K // g, g)
+    return x2.reshape(x2.shape[0], x2.shape[1] // granularity, granularity)  # (rows, K // g, g)
 
 
 def quantize(x, scheme: str | Scheme, granularity: Granularity | None = None) -> QTensor:

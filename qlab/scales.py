@@ -34,9 +34,10 @@ def _nonzero(s: torch.Tensor) -> torch.Tensor:
 
 def _store(s: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     stored = s.to(scheme.scale_dtype)
-    if bool(torch.isinf(stored).any()):
+    if bool(torch.isinf(stored).any()) or bool(((stored == 0) & (s > 0)).any()):
+        bad = float(s.max()) if bool(torch.isinf(stored).any()) else float(s[s > 0].min())
         raise ValueError(
-            f"a scale of {float(s.max()):.4g} overflows {scheme.scale_dtype} in scheme "
+            f"a scale of {bad:.4g} is outside the range of {scheme.scale_dtype} in scheme "
             f"{scheme.name!r}; rescale the tensor or use "
             f"dataclasses.replace(qlab.get_scheme({scheme.name!r}), scale_dtype=torch.float32)"
         )
@@ -77,7 +78,10 @@ def nf4(blocks, scheme):
     stores them with its own 8-bit "dynamic" tree map instead of int8.)"""
     amax = _amax(blocks)
     inv = torch.where(amax == 0, torch.zeros_like(amax), 1.0 / amax)
-    codes = scheme.grid.encode(blocks * inv[..., None])
+    normalized = blocks * inv[..., None]
+    if bool(torch.isinf(inv).any()):  # absmax < 2^-128: 1/absmax overflows, so divide instead
+        normalized = torch.where(torch.isinf(inv)[..., None], blocks / amax[..., None], normalized)
+    codes = scheme.grid.encode(normalized)
     scales = double_quantize(amax) if scheme.double_quant else amax
     return codes, scales, None, None
 

@@ -43,7 +43,7 @@ class WireError(ValueError):
 
 
 def _tensor_to_wire(a: np.ndarray, name: str) -> dict:
-    a = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False)
+    a = np.asarray(a, dtype=a.dtype.newbyteorder("<"), order="C")  # keeps 0-d shapes
     return {
         "__tensor__": name,
         "shape": [int(n) for n in a.shape],
@@ -67,8 +67,10 @@ def encode(obj, _depth=0):
         if a.dtype == torch.bfloat16:
             a = a.float()  # exact: every bfloat16 is a float32
         if a.dtype not in _TORCH_NAME:
-            raise WireError(f"tensors of dtype {a.dtype} are not accepted; return an integer "
-                            "or float tensor (uint8, int8..int64, float16, float32, float64)")
+            raise WireError(
+                f"tensors of dtype {a.dtype} are not accepted; return an integer "
+                "or float tensor (uint8, int8..int64, float16, float32, float64)"
+            )
         return _tensor_to_wire(a.contiguous().numpy(), _TORCH_NAME[a.dtype])
     if t is np.ndarray:
         if obj.dtype not in _NUMPY_NAME:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Callable
 
 from qlab.grading import _harness
 from qlab.grading.registry import evaluate, get_task, make_cases
 
-__all__ = ["check", "CheckFailed"]
+__all__ = ["check", "CheckFailed", "GRADER_ENV"]
+
+GRADER_ENV = "QLAB_GRADER_KERNEL"  # set in the kernels that `qlab grade` starts
 
 
 class CheckFailed(AssertionError):
@@ -23,6 +26,9 @@ def check(grade_id: str, fn: Callable, seed: int | None = None, quiet: bool = Fa
     The values go through the same plain-data conversion as ``qlab grade``, so a return
     value the grader would refuse is refused here too.
     """
+    if os.environ.get(GRADER_ENV):
+        print(f"(check {grade_id} skipped: `qlab grade` runs its own checks)")
+        return True
     task = get_task(grade_id)
     if seed is None:
         seed = secrets.randbits(63)

@@ -11,20 +11,25 @@ Cells follow nbgrader's v3 metadata (``metadata.nbgrader``):
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 
 import nbformat
 
 __all__ = [
-    "BEGIN", "END", "STUB", "is_grade_cell", "is_solution_cell", "make_exercise",
-    "assign_dir", "read_notebook", "assignment_of",
+    "BEGIN",
+    "END",
+    "STUB",
+    "is_grade_cell",
+    "is_solution_cell",
+    "make_exercise",
+    "assign_dir",
+    "read_notebook",
+    "assignment_of",
 ]
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
-_CHECK_CALL = re.compile(r"\bcheck\s*\(")
 
 
 def _nbg(cell) -> dict:
@@ -33,16 +38,16 @@ def _nbg(cell) -> dict:
 
 
 def is_grade_cell(cell) -> bool:
-    """A check cell: nbgrader grade cell without a solution, or any code cell calling check(.
+    """A check cell: an nbgrader grade cell that is not also a solution cell.
 
     The grader never runs these (it runs its own checks), whatever their source says.
+    A cell stripped of this metadata runs like any other cell, and its check() call is
+    a no-op in the grading kernel.
     """
     if cell.get("cell_type") != "code":
         return False
     meta = _nbg(cell)
-    if meta.get("grade") is True and meta.get("solution") is not True:
-        return True
-    return bool(_CHECK_CALL.search(cell.get("source", "")))
+    return meta.get("grade") is True and meta.get("solution") is not True
 
 
 def is_solution_cell(cell) -> bool:

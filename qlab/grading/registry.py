@@ -18,17 +18,35 @@ import torch
 from qlab.grading import _harness
 
 __all__ = [
-    "Task", "register", "get_task", "all_tasks", "assignment_tasks", "assignments",
-    "exact", "close", "compare_values", "evaluate", "TaskResult", "case_seed",
+    "Task",
+    "register",
+    "get_task",
+    "all_tasks",
+    "assignment_tasks",
+    "assignments",
+    "exact",
+    "close",
+    "compare_values",
+    "evaluate",
+    "TaskResult",
+    "case_seed",
 ]
 
 Case = tuple  # positional arguments of one call
 Comparator = Callable[[Any, Any, Case], "str | None"]
 
 
-def compare_values(expected: Any, got: Any, args: Case = (), *, rtol: float = 0.0,
-                   atol: float = 0.0, signed_zero: bool = False,
-                   names: tuple[str, ...] = (), path: str = "output") -> str | None:
+def compare_values(
+    expected: Any,
+    got: Any,
+    args: Case = (),
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    signed_zero: bool = False,
+    names: tuple[str, ...] = (),
+    path: str = "output",
+) -> str | None:
     """None when ``got`` matches ``expected``, else a hint naming the first bad element.
 
     Tensors: same shape; integer references need an integer tensor; floats match when
@@ -39,10 +57,11 @@ def compare_values(expected: Any, got: Any, args: Case = (), *, rtol: float = 0.
         if type(got) is not tuple or len(got) != len(expected):
             what = ", ".join(names) if names else f"{len(expected)} values"
             return f"{path}: expected a tuple ({what}), got {_kind(got)}"
-        for i, (e, g) in enumerate(zip(expected, got)):
+        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
             sub = names[i] if i < len(names) else f"{path}[{i}]"
-            hint = compare_values(e, g, args, rtol=rtol, atol=atol,
-                                  signed_zero=signed_zero, path=sub)
+            hint = compare_values(
+                e, g, args, rtol=rtol, atol=atol, signed_zero=signed_zero, path=sub
+            )
             if hint:
                 return hint
         return None
@@ -67,27 +86,35 @@ def compare_values(expected: Any, got: Any, args: Case = (), *, rtol: float = 0.
     if not isinstance(got, torch.Tensor):
         return f"{path}: expected a tensor of shape {tuple(expected.shape)}, got {_kind(got)}"
     if tuple(got.shape) != tuple(expected.shape):
-        return (f"{path}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
-                + _shape_note(args))
+        return (
+            f"{path}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+            + _shape_note(args)
+        )
     integer_ref = not expected.dtype.is_floating_point
     if integer_ref and got.dtype.is_floating_point:
-        return (f"{path}: expected an integer tensor (like {expected.dtype}), got {got.dtype}; "
-                "round, then cast with .to(...)")
+        return (
+            f"{path}: expected an integer tensor (like {expected.dtype}), got {got.dtype}; "
+            "round, then cast with .to(...)"
+        )
     if integer_ref:
         bad = expected.to(torch.int64) != got.to(torch.int64)
     else:
-        bad = _bad_mask(expected.to(torch.float64), got.to(torch.float64), rtol, atol,
-                        signed_zero)
+        bad = _bad_mask(expected.to(torch.float64), got.to(torch.float64), rtol, atol, signed_zero)
     n_bad = int(bad.sum())
     if n_bad == 0:
         return None
     flat = int(bad.reshape(-1).nonzero()[0, 0])
-    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape)) \
-        if expected.ndim else ()
+    idx = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
+        if expected.ndim
+        else ()
+    )
     e_val, g_val = expected.reshape(-1)[flat].item(), got.reshape(-1)[flat].item()
     where = f"{path}[{', '.join(map(str, idx))}]" if idx else path
-    msg = (f"{where}: expected {_fmt(e_val)}, got {_fmt(g_val)} "
-           f"({n_bad} of {expected.numel()} elements differ)")
+    msg = (
+        f"{where}: expected {_fmt(e_val)}, got {_fmt(g_val)} "
+        f"({n_bad} of {expected.numel()} elements differ)"
+    )
     return msg + _input_note(args, expected.shape, idx) + _tol_note(rtol, atol)
 
 
@@ -132,16 +159,20 @@ def _input_note(args: Case, shape: torch.Size, idx: tuple) -> str:
 
 def exact(names: tuple[str, ...] = (), signed_zero: bool = False) -> Comparator:
     """Bit-exact comparison of values (integers, and floats where the arithmetic is the same)."""
+
     def cmp(expected, got, args):
         return compare_values(expected, got, args, names=names, signed_zero=signed_zero)
+
     cmp.describe = "bit-exact"
     return cmp
 
 
 def close(rtol: float, atol: float = 0.0, names: tuple[str, ...] = ()) -> Comparator:
     """|got - expected| <= atol + rtol*|expected|; give the reason for the tolerance in the task."""
+
     def cmp(expected, got, args):
         return compare_values(expected, got, args, rtol=rtol, atol=atol, names=names)
+
     cmp.describe = f"rtol={rtol:g}, atol={atol:g}"
     return cmp
 
@@ -157,6 +188,8 @@ class Task:
     cases:      seeded generator -> list of positional-argument tuples (fresh inputs).
     reference:  *args -> expected value, calling qlab.
     compare:    (expected, got, args) -> None or a hint string.
+    kernel_env: environment variables the grading kernel needs for this task (set when
+                the kernel starts), e.g. {"TRITON_INTERPRET": "1"} for Triton exercises.
     """
 
     grade_id: str
@@ -167,6 +200,7 @@ class Task:
     reference: Callable[..., Any]
     compare: Comparator = field(default_factory=exact)
     signature: str = ""
+    kernel_env: dict[str, str] = field(default_factory=dict)
 
 
 _TASKS: dict[str, Task] = {}
@@ -241,9 +275,11 @@ def describe_args(args: Case) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def evaluate(task: Task, cases: list[Case], records: list[dict] | None,
-             missing: str | None = None) -> TaskResult:
+def evaluate(
+    task: Task, cases: list[Case], records: list[dict] | None, missing: str | None = None
+) -> TaskResult:
     """Score one task from the plain records its function produced (grader process)."""
+
     def fail(msg: str) -> TaskResult:
         return TaskResult(task.grade_id, 0, task.points, False, msg, len(cases))
 
@@ -251,7 +287,7 @@ def evaluate(task: Task, cases: list[Case], records: list[dict] | None,
         return fail(missing)
     if records is None or len(records) != len(cases):
         return fail("no result came back from the kernel")
-    for i, (args, rec) in enumerate(zip(cases, records)):
+    for i, (args, rec) in enumerate(zip(cases, records, strict=True)):
         label = f"case {i + 1} of {len(cases)} {task.func_name}{describe_args(args)}"
         if type(rec) is not dict:
             return fail(f"{label}: malformed result")
@@ -265,8 +301,9 @@ def evaluate(task: Task, cases: list[Case], records: list[dict] | None,
         hint = task.compare(expected, got, args)
         if hint:
             return fail(f"{label}: {hint}")
-    return TaskResult(task.grade_id, task.points, task.points, True,
-                      f"passed {len(cases)} cases", len(cases))
+    return TaskResult(
+        task.grade_id, task.points, task.points, True, f"passed {len(cases)} cases", len(cases)
+    )
 
 
 def _clone(args: Case) -> Case:

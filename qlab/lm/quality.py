@@ -31,7 +31,8 @@ Granularity names used here, mapped onto qlab's:
                  "tensor"  = one scale for the whole (B, T, C) batch (dynamic per-tensor)
     KV cache     "token"   = one scale per token per head (the D-vector)        -> qlab "channel"
                  an int g  = groups of g along the head dimension
-    None         the scheme's own default (MX 32, NVFP4 16, NF4 64, else per tensor)
+    None         the natural choice: the scheme's fixed block (MX 32, NVFP4 16), NF4's 64,
+                 else one scale per row ("channel" for weights, "token" for activations/KV)
 A per-tensor KV scale is refused: a real cache is written one token at a time, so a
 scale that depends on tokens not yet generated cannot exist at decode time.
 """
@@ -172,25 +173,37 @@ def _block_linears(model: TinyLM, only: Iterable[str] | None = None) -> dict[str
     return {n: layers[n] for n in only}
 
 
-def _qlab_granularity(granularity: Granularity, what: str) -> str | int | None:
-    if granularity in ("token",):
+def _qlab_granularity(scheme, granularity: Granularity, what: str) -> str | int | None:
+    """Our granularity name -> qlab's. None = the natural choice: the scheme's fixed block
+    (MX, NVFP4) or default group (NF4 64), else one scale per row (output channel / token)."""
+    sch = qlab.get_scheme(scheme)
+    if granularity is None:
+        if sch.block is not None:
+            return None
+        if isinstance(sch.default_granularity, int):
+            return sch.default_granularity
         return "channel"
     if granularity == "tensor" and what == "kv":
         raise ValueError(
             "a per-tensor KV-cache scale would depend on tokens not generated yet; "
             "use 'token' (one scale per token and head) or an int group size"
         )
+    if granularity == "token":
+        if what == "weights":
+            raise ValueError("weights have no tokens; use 'channel', 'tensor' or a group size")
+        return "channel"
     return granularity
 
 
 @torch.no_grad()
-def quantize_weights(model: TinyLM, scheme, granularity: Granularity = "channel",
+def quantize_weights(model: TinyLM, scheme, granularity: Granularity = None,
                      only: Iterable[str] | None = None) -> TinyLM:
     """Copy of ``model`` whose block linear weights (or the ``only`` ones) are replaced by
     qlab.fake_quantize(W, scheme, granularity); W is (out, in), "channel" = per output row."""
     q = copy.deepcopy(model)
+    g = _qlab_granularity(scheme, granularity, "weights")
     for lin in _block_linears(q, only).values():
-        lin.weight.copy_(qlab.fake_quantize(lin.weight, scheme, granularity))
+        lin.weight.copy_(qlab.fake_quantize(lin.weight, scheme, g))
     return q
 
 
@@ -226,7 +239,7 @@ def input_absmax(model: TinyLM, windows: torch.Tensor) -> dict[str, torch.Tensor
     return out
 
 
-def quantize_activations(model: TinyLM, scheme, granularity: Granularity = "token",
+def quantize_activations(model: TinyLM, scheme, granularity: Granularity = None,
                          only: Iterable[str] | None = None,
                          keep_fp: dict[str, torch.Tensor] | None = None) -> TinyLM:
     """Copy of ``model`` that fake-quantizes the INPUT of each block linear (the activation
@@ -236,7 +249,7 @@ def quantize_activations(model: TinyLM, scheme, granularity: Granularity = "toke
     (LLM.int8()-style mixed-precision outlier handling; see ``outlier_channels``).
     """
     q = copy.deepcopy(model)
-    g = _qlab_granularity(granularity, "act")
+    g = _qlab_granularity(scheme, granularity, "act")
 
     def make_hook(keep: torch.Tensor | None):
         def hook(_mod, args):
@@ -255,7 +268,7 @@ def quantize_activations(model: TinyLM, scheme, granularity: Granularity = "toke
     return q
 
 
-def quantize_kv_cache(model: TinyLM, scheme, granularity: Granularity = "token",
+def quantize_kv_cache(model: TinyLM, scheme, granularity: Granularity = None,
                       layers: Iterable[int] | None = None) -> TinyLM:
     """Copy of ``model`` whose keys and values are fake-quantized as they enter the cache
     (tensors (B, H, T, D); "token" = one scale per token per head).
@@ -263,7 +276,7 @@ def quantize_kv_cache(model: TinyLM, scheme, granularity: Granularity = "token",
     Each token's K/V is quantized on its own, so the full forward pass of this model
     gives what decoding with a quantized cache gives (tests/lm checks it)."""
     q = copy.deepcopy(model)
-    g = _qlab_granularity(granularity, "kv")
+    g = _qlab_granularity(scheme, granularity, "kv")
     chosen = range(q.cfg.n_layer) if layers is None else layers
     for i in chosen:
         q.blocks[i].attn.kv_transform = lambda t: qlab.fake_quantize(t, scheme, g)

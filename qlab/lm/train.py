@@ -59,9 +59,21 @@ def evaluate(model: TinyLM, data: torch.Tensor, n_windows: int, block_size: int)
 
 
 def train(steps: int, threads: int = 2, log_every: int = 50, cfg: TinyLMConfig | None = None):
-    """Train a fresh TinyLM; return (model, history of (step, train loss), meta)."""
+    """Train a fresh TinyLM; return (model, history of (step, train loss), meta).
+
+    Sets torch's thread count and deterministic mode for the run and restores both after.
+    """
+    prev_threads, prev_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
+    try:
+        return _train(steps, threads, log_every, cfg)
+    finally:
+        torch.set_num_threads(prev_threads)
+        torch.use_deterministic_algorithms(prev_det)
+
+
+def _train(steps: int, threads: int, log_every: int, cfg: TinyLMConfig | None):
     torch.manual_seed(SEED)
     cfg = cfg or TinyLMConfig(block_size=BLOCK_SIZE)
     model = TinyLM(cfg)

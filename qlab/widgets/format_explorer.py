@@ -88,9 +88,7 @@ def _fmt(v: float | None) -> str:
 def describe_html(d: dict) -> str:
     """The readout table of describe_value's dict."""
     f = d["fields"]
-    field_rows = "".join(
-        f"<tr><td>{k}</td><td><code>{v}</code></td></tr>" for k, v in f.items()
-    )
+    field_rows = "".join(f"<tr><td>{k}</td><td><code>{v}</code></td></tr>" for k, v in f.items())
     rel = "—" if d["rel_error"] is None else f"{100 * d['rel_error']:.3g} %"
     code_hex = d["code"] & 0xFF
     return (
@@ -112,17 +110,19 @@ class FormatExplorer(W.VBox):
 
     def __init__(self, fmt: str = "fp8_e4m3fn", value: float = 0.3):
         style = {"description_width": "70px"}
-        self.format = W.Dropdown(options=list(EXPLORER_FORMATS), value=fmt,
-                                 description="format", style=style)
-        self.value = W.FloatText(value=value, description="value", style=style,
-                                 continuous_update=False)
+        self.format = W.Dropdown(
+            options=list(EXPLORER_FORMATS), value=fmt, description="format", style=style
+        )
+        self.value = W.FloatText(
+            value=value, description="value", style=style, continuous_update=False
+        )
         self.readout = W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="640px"))
         self.format.add_class("qlab-format")
         self.value.add_class("qlab-value")
         self.readout.add_class("qlab-readout")
         self.data: dict = {}
-        self._fig, self._ax = new_figure(8.0, 1.6)
+        self._build_plot()
         super().__init__([W.HBox([self.format, self.value]), self.readout, self.image])
         self.add_class("qlab-format-explorer")
         self.format.observe(self._on_change, names="value")
@@ -138,24 +138,49 @@ class FormatExplorer(W.VBox):
         self._draw()
         return self.data
 
-    def _draw(self) -> None:
-        d, ax = self.data, self._ax
-        ax.clear()
-        win = d["window"]
-        if len(win):
-            ax.vlines(win, -1, 1, colors="tab:blue", lw=1.5)
-            ax.plot([d["value"]], [0], "o", color="tab:blue", ms=9, label="decoded")
-            for v in win:
-                ax.annotate(f"{v:.4g}", (v, 1.05), ha="center", va="bottom", fontsize=8)
-        x = d["input"]
-        if math.isfinite(x):
-            ax.axvline(x, color="tab:red", lw=1.5, ls="--", label="input")
-        span = [*win, x] if len(win) else [x]
-        lo, hi = min(span), max(span)
-        pad = 0.08 * (hi - lo) if hi > lo else max(abs(lo), 1.0) * 0.1
-        ax.set_xlim(lo - pad, hi + pad)
+    def _build_plot(self) -> None:
+        self._fig, ax = new_figure(8.0, 1.7)
+        self._fig.subplots_adjust(left=0.02, right=0.98, bottom=0.22, top=0.72)
+        self._ax = ax
+        self._ticks = ax.vlines([], -1, 1, colors="tab:blue", lw=1.5)
+        (self._dot,) = ax.plot([], [], "o", color="tab:blue", ms=9, label="decoded")
+        (self._input,) = ax.plot([], [], "--", color="tab:red", lw=1.5, label="input")
+        self._labels = [
+            ax.text(0, 1.1, "", ha="center", va="bottom", fontsize=8)
+            for _ in range(2 * N_NEIGHBOURS + 1)
+        ]
+        self._note = ax.text(0.5, -0.35, "", transform=ax.transAxes, ha="center", fontsize=8)
         ax.set_ylim(-1.2, 1.8)
         ax.set_yticks([])
-        ax.set_title(f"{d['format']}: representable values around {x:.4g}", fontsize=9)
         ax.legend(loc="lower right", fontsize=7)
+
+    def _draw(self) -> None:
+        d, ax = self.data, self._ax
+        win = [float(v) for v in d["window"]]
+        x = d["input"]
+        self._ticks.set_segments([[(v, -1), (v, 1)] for v in win])
+        self._dot.set_data([d["value"]] if win else [], [0] if win else [])
+        for label, v in zip(self._labels, win + [None] * len(self._labels), strict=False):
+            label.set_text("" if v is None else f"{v:.4g}")
+            if v is not None:
+                label.set_x(v)
+        span = list(win)
+        note = ""
+        if math.isfinite(x) and win:
+            width = (win[-1] - win[0]) or 1.0
+            if win[0] - width <= x <= win[-1] + width:
+                span.append(x)
+            else:
+                note = f"input {x:.4g} is off this view: it saturates / rounds to {d['value']:.4g}"
+        elif not math.isfinite(d["value"]):
+            note = f"{x} has no finite code in {d['format']}: code {d['code']} (NaN)"
+        self._note.set_text(note)
+        if x in span:
+            self._input.set_data([x, x], [-1.2, 1.8])
+        else:
+            self._input.set_data([], [])
+        lo, hi = (min(span), max(span)) if span else (-1.0, 1.0)
+        pad = 0.08 * (hi - lo) if hi > lo else max(abs(lo), 1.0) * 0.1
+        ax.set_xlim(lo - pad, hi + pad)
+        ax.set_title(f"{d['format']}: representable values around {x:.4g}", fontsize=9)
         self.image.value = figure_png(self._fig)

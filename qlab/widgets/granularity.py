@@ -13,6 +13,7 @@ at the bottom only calls them and draws.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ipywidgets as W
@@ -57,6 +58,7 @@ GRANULARITIES: tuple[str | int, ...] = ("tensor", "channel", 256, 128, 64, 32, 1
 DEFAULT_SHAPE = (64, 512)  # (rows = output channels, cols = reduction axis K)
 WEIGHT_STD = 0.02  # typical std of a trained linear layer's weights
 OUTLIER_EVERY = 4096  # one outlier per this many weights (8 in the default 32768)
+BULK_STD = 5.0  # the histogram shows +-5 std: the bulk, where the grid's resolution matters
 
 
 # ---------------------------------------------------------------- logic (plain data)
@@ -122,11 +124,15 @@ class Measurement:
 
 def measure(w: torch.Tensor, family: str, bits: int, granularity: str | int) -> Measurement:
     """Quantize ``w`` with qlab and measure the error against the original."""
+    return _measure_qt(w, family, bits, granularity)[0]
+
+
+def _measure_qt(w, family, bits, granularity) -> tuple[Measurement, qlab.QTensor]:
     scheme = scheme_for(family, bits)
     gran = effective_granularity(family, granularity)
     qt = qlab.quantize(w, scheme, gran)
     w_hat = qt.dequantize()
-    return Measurement(
+    m = Measurement(
         scheme=scheme.name,
         family=family,
         bits=int(qlab.formats.get(scheme.element).bits),
@@ -135,6 +141,7 @@ def measure(w: torch.Tensor, family: str, bits: int, granularity: str | int) -> 
         rmse=float(metrics.rmse(w, w_hat)),
         sqnr_db=float(metrics.sqnr_db(w, w_hat)),
     )
+    return m, qt
 
 
 def group_grid(qt: qlab.QTensor, group: int | None = None) -> tuple[torch.Tensor, int]:
@@ -154,11 +161,31 @@ def group_grid(qt: qlab.QTensor, group: int | None = None) -> tuple[torch.Tensor
     return levels.sort().values, group
 
 
-class _Cache:
-    """Measurements keyed by (outlier strength, seed, scheme, granularity)."""
+@contextmanager
+def one_thread():
+    """Run torch on one thread inside the block, then restore the previous count.
 
-    def __init__(self, max_items: int = 4096):
-        self.items: dict[tuple, Measurement] = {}
+    The explorer's tensors are small (32k elements): splitting them across threads
+    costs more than it saves, and on a busy machine OpenMP threads that wait for a
+    core turn a 0.5 ms quantization into 20 ms.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class _Cache:
+    """Measurements (and their QTensors) keyed by (outliers, seed, scheme, granularity).
+
+    Moving the bits slider then only redraws; a new granularity or outlier strength
+    recomputes the ~25 quantizations of the error plot once.
+    """
+
+    def __init__(self, max_items: int = 512):
+        self.items: dict[tuple, tuple[Measurement, qlab.QTensor]] = {}
         self.weights: dict[tuple, torch.Tensor] = {}
         self.max_items = max_items
 
@@ -170,16 +197,23 @@ class _Cache:
             self.weights[key] = make_weights(outlier_strength, seed=seed)
         return self.weights[key]
 
-    def measure(self, outlier_strength, seed, family, bits, granularity) -> Measurement:
-        key = (round(float(outlier_strength), 6), seed, family,
-               bits if family in INT_FAMILIES else None,
-               effective_granularity(family, granularity))
+    def get(self, outlier_strength, seed, family, bits, granularity):
+        key = (
+            round(float(outlier_strength), 6),
+            seed,
+            family,
+            bits if family in INT_FAMILIES else None,
+            effective_granularity(family, granularity),
+        )
         if key not in self.items:
             if len(self.items) >= self.max_items:
                 self.items.clear()
             w = self.get_weights(outlier_strength, seed)
-            self.items[key] = measure(w, family, bits, granularity)
+            self.items[key] = _measure_qt(w, family, bits, granularity)
         return self.items[key]
+
+    def measure(self, outlier_strength, seed, family, bits, granularity) -> Measurement:
+        return self.get(outlier_strength, seed, family, bits, granularity)[0]
 
 
 _DEFAULT_CACHE = _Cache()
@@ -198,8 +232,10 @@ def explorer_data(
 
     Returns a dict with
       current      Measurement of the chosen setting
-      histogram    (counts, bin_edges) numpy arrays of the weights
-      grid         numpy levels of a typical group's grid, grid_group its index
+      histogram    (counts, bin_edges) numpy arrays of the weights within the bulk
+                   (+-5 std); n_beyond weights lie outside it, out to +-weights_absmax
+      grid         numpy levels of a typical group's grid, grid_group its index;
+                   levels_in_bulk how many of them fall inside the histogram's range
       int_curves   {"int": [...], "int_asym": [...]} Measurements over INT_BITS
       gran_curve   the chosen scheme over GRANULARITIES (one point for MX/NVFP4)
       formats      Measurement of every non-integer family at this granularity
@@ -207,14 +243,15 @@ def explorer_data(
     """
     cache = cache or _DEFAULT_CACHE
     w = cache.get_weights(outlier_strength, seed)
-    m = cache.measure(outlier_strength, seed, family, bits, granularity)
-
-    scheme = scheme_for(family, bits)
-    qt = qlab.quantize(w, scheme, effective_granularity(family, granularity))
+    m, qt = cache.get(outlier_strength, seed, family, bits, granularity)
     levels, grid_group = group_grid(qt)
 
     amax = float(w.abs().max())
-    counts, edges = np.histogram(w.numpy().ravel(), bins=n_bins, range=(-amax, amax))
+    bulk = min(BULK_STD * WEIGHT_STD, amax)
+    counts, edges = np.histogram(w.numpy().ravel(), bins=n_bins, range=(-bulk, bulk))
+    n_beyond = int((w.abs() > bulk).sum())
+    grid = levels.numpy()
+    levels_in_bulk = int(((grid >= -bulk) & (grid <= bulk)).sum())
 
     int_curves = {
         f: [cache.measure(outlier_strength, seed, f, b, granularity) for b in INT_BITS]
@@ -223,9 +260,7 @@ def explorer_data(
     if family in FIXED_BLOCK:
         gran_curve = [m]
     else:
-        gran_curve = [
-            cache.measure(outlier_strength, seed, family, bits, g) for g in GRANULARITIES
-        ]
+        gran_curve = [cache.measure(outlier_strength, seed, family, bits, g) for g in GRANULARITIES]
     others = [
         cache.measure(outlier_strength, seed, f, 8, granularity)
         for f in FAMILIES.values()
@@ -240,7 +275,9 @@ def explorer_data(
         "current": m,
         "weights_absmax": amax,
         "histogram": (counts, edges),
-        "grid": levels.numpy(),
+        "n_beyond": n_beyond,
+        "grid": grid,
+        "levels_in_bulk": levels_in_bulk,
         "grid_group": grid_group,
         "int_curves": int_curves,
         "gran_curve": gran_curve,
@@ -289,35 +326,57 @@ class GranularityExplorer(W.VBox):
         style = {"description_width": "110px"}
         wide = W.Layout(width="420px")
         self.family = W.Dropdown(
-            options=list(FAMILIES.items()), value=family, description="scheme",
-            style=style, layout=wide,
+            options=list(FAMILIES.items()),
+            value=family,
+            description="scheme",
+            style=style,
+            layout=wide,
         )
         self.bits = W.IntSlider(
-            value=bits, min=INT_BITS[0], max=INT_BITS[-1], description="bits (INT)",
-            style=style, layout=wide, continuous_update=False,
+            value=bits,
+            min=INT_BITS[0],
+            max=INT_BITS[-1],
+            description="bits (INT)",
+            style=style,
+            layout=wide,
+            continuous_update=False,
         )
         self.granularity = W.SelectionSlider(
-            options=[_gran_option(g) for g in GRANULARITIES], value=granularity,
-            description="granularity", style=style, layout=wide, continuous_update=False,
+            options=[_gran_option(g) for g in GRANULARITIES],
+            value=granularity,
+            description="granularity",
+            style=style,
+            layout=wide,
+            continuous_update=False,
         )
         self.outliers = W.FloatSlider(
-            value=outlier_strength, min=0.0, max=100.0, step=5.0,
-            description="outliers (x std)", style=style, layout=wide,
-            continuous_update=False, readout_format=".0f",
+            value=outlier_strength,
+            min=0.0,
+            max=100.0,
+            step=5.0,
+            description="outliers (x std)",
+            style=style,
+            layout=wide,
+            continuous_update=False,
+            readout_format=".0f",
         )
         self.readout = W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="900px"))
         for widget, cls in (
-            (self.family, "qlab-family"), (self.bits, "qlab-bits"),
-            (self.granularity, "qlab-granularity"), (self.outliers, "qlab-outliers"),
-            (self.readout, "qlab-readout"), (self.image, "qlab-plot"),
+            (self.family, "qlab-family"),
+            (self.bits, "qlab-bits"),
+            (self.granularity, "qlab-granularity"),
+            (self.outliers, "qlab-outliers"),
+            (self.readout, "qlab-readout"),
+            (self.image, "qlab-plot"),
         ):
             widget.add_class(cls)
         self.data: dict = {}
-        self._fig, (self._ax_hist, self._ax_err) = new_figure(12.0, 4.2, ncols=2)
+        self._build_plot()
 
-        controls = W.HBox([W.VBox([self.family, self.bits]),
-                           W.VBox([self.granularity, self.outliers])])
+        controls = W.HBox(
+            [W.VBox([self.family, self.bits]), W.VBox([self.granularity, self.outliers])]
+        )
         super().__init__([controls, self.readout, self.image])
         self.add_class("qlab-granularity-explorer")
         for c in (self.family, self.bits, self.granularity, self.outliers):
@@ -332,58 +391,100 @@ class GranularityExplorer(W.VBox):
         family = self.family.value
         self.bits.disabled = family not in INT_FAMILIES
         self.granularity.disabled = family in FIXED_BLOCK
-        self.data = explorer_data(
-            family, self.bits.value, self.granularity.value, self.outliers.value,
-            seed=self.seed, cache=self._cache,
-        )
+        with one_thread():
+            self.data = explorer_data(
+                family,
+                self.bits.value,
+                self.granularity.value,
+                self.outliers.value,
+                seed=self.seed,
+                cache=self._cache,
+            )
         self.readout.value = f"<b>{self.data['readout']}</b>"
         self._draw()
         return self.data
 
+    def _build_plot(self) -> None:
+        """Create every artist once; _draw only updates their data (fast)."""
+        self._fig, (ax_h, ax_e) = new_figure(12.0, 4.2, ncols=2)
+        self._fig.subplots_adjust(left=0.06, right=0.99, bottom=0.13, top=0.92, wspace=0.16)
+        self._ax_hist, self._ax_err = ax_h, ax_e
+        self._hist = ax_h.stairs([1.0], [0.0, 1.0], fill=True, color="0.75", label="weights")
+        self._grid_lines = ax_h.vlines(
+            [], 0, 1, colors="tab:red", lw=0.8, alpha=0.8, label="grid of a typical group"
+        )
+        ax_h.set_xlabel("weight value (the bulk: ±5 std)")
+        ax_h.set_ylabel("count")
+        self._beyond_text = ax_h.text(
+            0.01, 0.97, "", transform=ax_h.transAxes, fontsize=8, va="top", ha="left"
+        )
+        ax_h.legend(loc="upper right", fontsize=8)
+
+        self._int_lines = {}
+        for f, style, label in (
+            ("int", "-o", "INT sym 2..8 bit"),
+            ("int_asym", "--s", "INT asym 2..8 bit"),
+        ):
+            (self._int_lines[f],) = ax_e.plot(
+                [], [], style, color=_FAMILY_COLOURS[f], ms=3, lw=1, label=label
+            )
+        (self._gran_line,) = ax_e.plot(
+            [], [], ":", color="k", lw=1, label="current scheme, tensor → g16"
+        )
+        self._format_points = {}
+        for f in FAMILIES.values():
+            if f not in INT_FAMILIES:
+                (self._format_points[f],) = ax_e.plot(
+                    [], [], "D", color=_FAMILY_COLOURS[f], ms=5, label=f
+                )
+        (self._star,) = ax_e.plot(
+            [], [], "*", color="tab:red", ms=16, mec="k", label="current", zorder=5
+        )
+        ax_e.set_yscale("log")
+        ax_e.minorticks_off()
+        ax_e.set_xlim(1.5, 9.0)
+        ax_e.set_xlabel("bits per element (scales and zero points included)")
+        ax_e.set_ylabel("RMSE")
+        ax_e.grid(True, alpha=0.3)
+        ax_e.legend(fontsize=7, ncol=2, loc="upper right")
+
     def _draw(self) -> None:
         d = self.data
         m: Measurement = d["current"]
-        ax = self._ax_hist
-        ax.clear()
         counts, edges = d["histogram"]
-        ax.stairs(counts, edges, fill=True, color="0.75", label="weights")
-        lo, hi = edges[0], edges[-1]
+        top = max(float(counts.max()), 1.0) * 1.12
+        self._hist.set_data(counts, edges)
+        lo, hi = float(edges[0]), float(edges[-1])
         grid = d["grid"]
         grid = grid[(grid >= lo) & (grid <= hi)]
-        ax.vlines(grid, 0.8, max(counts.max(), 1) * 1.5, colors="tab:red", lw=0.8, alpha=0.8,
-                  label=f"grid of a typical group ({len(grid)} levels in view)")
-        ax.set_yscale("log")
-        ax.set_ylim(0.8, max(counts.max(), 1) * 1.5)
-        ax.set_xlim(lo, hi)
-        ax.set_xlabel("weight value")
-        ax.set_ylabel("count (log)")
-        ax.set_title(f"{m.scheme}, {granularity_label(m.family, self.granularity.value)}")
-        ax.legend(loc="upper right", fontsize=8)
+        self._grid_lines.set_segments([[(g, 0), (g, top)] for g in grid])
+        self._ax_hist.set_xlim(lo, hi)
+        self._ax_hist.set_ylim(0, top)
+        self._beyond_text.set_text(
+            f"{d['n_beyond']} weights beyond the view,\nout to ±{d['weights_absmax']:.2f}"
+            if d["n_beyond"]
+            else "no weight beyond the view"
+        )
+        self._ax_hist.set_title(
+            f"{m.scheme}, {granularity_label(m.family, self.granularity.value)}: "
+            f"{d['levels_in_bulk']} grid levels in the bulk",
+            fontsize=10,
+        )
 
-        ax = self._ax_err
-        ax.clear()
-        for f, style in (("int", "-o"), ("int_asym", "--s")):
+        for f, line in self._int_lines.items():
             pts = d["int_curves"][f]
-            ax.plot([p.bits_per_element for p in pts], [p.rmse for p in pts], style,
-                    color=_FAMILY_COLOURS[f], ms=3, lw=1,
-                    label=f"{'INT sym' if f == 'int' else 'INT asym'} 2..8 bit")
-        if len(d["gran_curve"]) > 1:
-            pts = d["gran_curve"]
-            ax.plot([p.bits_per_element for p in pts], [p.rmse for p in pts], ":",
-                    color="k", lw=1, label=f"{m.scheme}: tensor → g16")
+            line.set_data([p.bits_per_element for p in pts], [p.rmse for p in pts])
+        pts = d["gran_curve"] if len(d["gran_curve"]) > 1 else []
+        self._gran_line.set_data([p.bits_per_element for p in pts], [p.rmse for p in pts])
         for p in d["formats"]:
-            ax.plot(p.bits_per_element, p.rmse, "D", color=_FAMILY_COLOURS[p.family], ms=5,
-                    label=p.scheme)
-        ax.plot(m.bits_per_element, m.rmse, "*", color="tab:red", ms=16, mec="k",
-                label="current", zorder=5)
-        ax.set_yscale("log")
-        ax.set_xlabel("bits per element (scales and zero points included)")
-        ax.set_ylabel("RMSE")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="upper right")
+            self._format_points[p.family].set_data([p.bits_per_element], [p.rmse])
+        self._star.set_data([m.bits_per_element], [m.rmse])
+        every = [p.rmse for c in d["int_curves"].values() for p in c]
+        every += [p.rmse for p in d["formats"]] + [p.rmse for p in d["gran_curve"]]
+        every = [e for e in every if e > 0]
+        self._ax_err.set_ylim(min(every) / 1.5, max(every) * 1.5)
         self.image.value = figure_png(self._fig)
 
     @property
     def rmse(self) -> float:
         return self.data["current"].rmse
-

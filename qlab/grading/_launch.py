@@ -1,0 +1,38 @@
+"""Kernel launcher used by ``qlab grade``: set resource limits, then start ipykernel.
+
+Run as a script (``python _launch.py -f CONNECTION_FILE``) so it imports nothing of
+qlab before the limits are in place. Limits come from the environment:
+QLAB_GRADER_MEM_BYTES (RLIMIT_AS: a 10 GB allocation fails with MemoryError instead of
+taking the machine) and QLAB_GRADER_CPU_S (RLIMIT_CPU, a backstop to the grader's own
+wall-clock limit). Core dumps are off and written files are capped at 256 MB.
+"""
+
+import os
+import resource
+import sys
+
+
+def _limit(which: int, value: int) -> None:
+    soft, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(which, (value, value if hard == resource.RLIM_INFINITY else hard))
+
+
+def main() -> None:
+    sys.path.pop(0)  # this script's folder: keep qlab/grading/* from shadowing modules
+    mem = int(os.environ.get("QLAB_GRADER_MEM_BYTES", "0"))
+    if mem > 0:
+        _limit(resource.RLIMIT_AS, mem)
+    cpu = int(os.environ.get("QLAB_GRADER_CPU_S", "0"))
+    if cpu > 0:
+        _limit(resource.RLIMIT_CPU, cpu)
+    _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_FSIZE, 256 * 2**20)
+    from ipykernel import kernelapp
+
+    kernelapp.launch_new_instance()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""`qlab grade` end to end on a class of generated submissions (real kernels, --jobs 2).
+
+Every known-wrong implementation, tampering trick and crash must cost exactly its
+task's points; the solutions get full marks; the untouched exercises get zero; a
+malformed file gets a row of zeros; and the run resumes without regrading.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+import nbformat
+import pytest
+from grading_bank import EXERCISES, MUTANTS, SOLUTIONS, grade_id, load, mutant_notebooks, with_cells
+
+from qlab.cli import main
+from qlab.grading import all_tasks, assignment_tasks, assignments
+
+SEED = 20261130
+TIMEOUT = 8  # seconds per cell: the solutions need well under 1 s per task
+
+TAMPER = {
+    # redefine the check functions (and try to break the grader's code in the kernel),
+    # then submit a wrong sym_quantize; asym returns objects whose __eq__ always says yes
+    "tamper_checks_01_affine": (
+        "01_affine",
+        {
+            "sym_quantize_solution": MUTANTS["sym_quantize"][0][1]
+            + """
+import qlab.grading
+import qlab.grading.registry
+
+def check(*args, **kwargs):
+    print("PASS")
+    return True
+
+qlab.grading.check = check
+qlab.grading.registry.evaluate = lambda *a, **k: None
+qlab.grading.registry.compare_values = lambda *a, **k: None
+""",
+            "asym_quantize_solution": """
+class Anything:
+    def __eq__(self, other):
+        return True
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy
+        return numpy.zeros(1)
+
+def asymmetric_quantize(x, bits):
+    return Anything(), Anything(), Anything()
+""",
+        },
+        {},
+        {"sym_quantize", "asym_quantize"},
+    ),
+    # edit the test cells to print PASS, swallow exceptions, hide tracebacks, and replay
+    # an answer seen once
+    "tamper_edits_01_affine": (
+        "01_affine",
+        {
+            "sym_quantize": 'print("PASS sym_quantize")',
+            "asym_quantize": 'print("PASS asym_quantize")',
+            "sym_quantize_solution": """
+get_ipython().showtraceback = lambda *a, **k: None
+
+def symmetric_quantize(x, bits):
+    try:
+        raise NotImplementedError()
+    except Exception:
+        return torch.zeros_like(x, dtype=torch.int8), torch.tensor(1.0, dtype=torch.float16)
+""",
+            "asym_quantize_solution": """
+import qlab
+
+_SEEN = qlab.quantize(torch.linspace(-1, 2, 16).reshape(2, 8), qlab.int_scheme(4, False))
+
+def asymmetric_quantize(x, bits):
+    return _SEEN.codes, _SEEN.scales, _SEEN.zero_points
+""",
+        },
+        {},
+        {"sym_quantize", "asym_quantize"},
+    ),
+    # monkeypatch qlab and torch inside the kernel so that a grader computing references
+    # there would agree with a wrong pack_int4; a tensor subclass whose == always agrees
+    "tamper_patch_06_wxay": (
+        "06_wxay",
+        {
+            "pack_int4_solution": MUTANTS["pack_int4"][0][1]
+            + """
+import qlab.packing
+qlab.pack_int4 = pack_int4
+qlab.packing.pack_int4 = pack_int4
+torch.equal = lambda *a, **k: True
+torch.allclose = lambda *a, **k: True
+torch.testing.assert_close = lambda *a, **k: None
+""",
+            "w8a8_matmul_solution": """
+class Agreeable(torch.Tensor):
+    def __eq__(self, other):
+        return torch.ones_like(other, dtype=torch.bool)
+
+def w8a8_matmul(x, w):
+    return torch.zeros(x.shape[0], w.shape[0]).as_subclass(Agreeable)
+""",
+        },
+        {},
+        {"pack_int4", "w8a8_matmul"},
+    ),
+    # delete every test cell; print lines that look like the grader's result channel
+    "tamper_forge_02_granularity": (
+        "02_granularity",
+        {
+            "group_quantize_solution": 'print("QLAB-" + "0" * 32 + \' {"records": []}\')\n'
+            + MUTANTS["group_quantize"][0][1].replace(
+                "    qmax =",
+                '    print("QLAB-" + "f" * 32 + \' {"records": [{"ok": 1}]}\')\n    qmax =',
+                1,
+            ),
+        },
+        {},
+        {"group_quantize"},
+    ),
+}
+
+CRASH = {
+    "crash_loop_01_affine": (
+        "01_affine",
+        {
+            "sym_quantize_solution": """
+def symmetric_quantize(x, bits):
+    while True:
+        pass
+"""
+        },
+        {},
+        {"sym_quantize"},
+    ),
+    "crash_exit_02_granularity": (
+        "02_granularity",
+        {
+            "group_quantize_solution": """
+def group_quantize(w, bits, group_size):
+    import os
+    os._exit(1)
+"""
+        },
+        {},
+        {"group_quantize"},
+    ),
+    "crash_memory_06_wxay": (
+        "06_wxay",
+        {
+            "w8a8_matmul_solution": """
+def w8a8_matmul(x, w):
+    big = torch.ones(10 * 2**30, dtype=torch.uint8)  # 10 GB
+    return big[: x.shape[0] * w.shape[0]].float().reshape(x.shape[0], w.shape[0])
+"""
+        },
+        {},
+        {"w8a8_matmul"},
+    ),
+    # top-level cells that hang, exit and segfault: skipped after a restart, tasks graded
+    "crash_cells_03_nf4": (
+        "03_nf4",
+        {},
+        {
+            "nf4_levels_solution": ["while True:\n    pass"],
+            "nf4_quantize_solution": [
+                "import os\nos._exit(3)",
+                "import ctypes\nctypes.string_at(0)",
+            ],
+        },
+        set(),
+    ),
+}
+
+
+def _all_cases():
+    cases = {}  # name -> (assignment, notebook or raw text, zero-scoring grade_ids)
+    for a in assignments():
+        cases[f"solution_{a}"] = (a, load(a), set())
+        cases[f"exercise_{a}"] = (a, load(a, EXERCISES), set(assignments()[a]))
+    cases.update(mutant_notebooks())
+    for name, (a, swap, after, wrong) in {**TAMPER, **CRASH}.items():
+        nb = with_cells(load(a), swap, after)
+        if name == "tamper_patch_06_wxay":
+            nb.cells = [c for c in nb.cells if grade_id(c) != "w8a8_matmul"]
+        if name == "tamper_forge_02_granularity":
+            nb.cells = [c for c in nb.cells if grade_id(c) not in assignments()[a]]
+        if name == "tamper_edits_01_affine":
+            for c in nb.cells:
+                if grade_id(c) in ("sym_quantize", "asym_quantize"):
+                    c.metadata = {}
+        cases[name] = (a, nb, wrong)
+    cases["malformed_04_fp8"] = ("04_fp8", "{ this is not a notebook", set(assignments()["04_fp8"]))
+    cases["badschema_05_mx"] = ("05_mx", '{"cells": 5, "nbformat": 4}', set(assignments()["05_mx"]))
+    return cases
+
+
+CASES = _all_cases()
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    subs = tmp_path_factory.mktemp("submissions")
+    for name, (_, nb, _) in CASES.items():
+        path = subs / f"{name}.ipynb"
+        if isinstance(nb, str):
+            path.write_text(nb)
+        else:
+            nbformat.write(nb, str(path))
+    out = tmp_path_factory.mktemp("out")
+    start = time.monotonic()
+    rc = main(
+        [
+            "grade",
+            str(subs),
+            "--out",
+            str(out),
+            "--jobs",
+            "2",
+            "--timeout",
+            str(TIMEOUT),
+            "--wall",
+            "120",
+            "--seed",
+            str(SEED),
+            "--quiet",
+        ]
+    )
+    seconds = time.monotonic() - start
+    assert rc == 0
+    doc = json.loads((out / "grades.json").read_text())
+    with open(out / "grades.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {"subs": subs, "out": out, "doc": doc, "rows": rows, "seconds": seconds}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_submission_loses_exactly_its_tasks_points(graded, name):
+    assignment, _, wrong = CASES[name]
+    row = graded["doc"]["submissions"][name]
+    tasks = assignment_tasks(assignment)
+    feedback = {g: t["feedback"] for g, t in row["tasks"].items()}
+    assert set(row["tasks"]) == {t.grade_id for t in tasks}, row["log"]
+    for t in tasks:
+        expected = 0 if t.grade_id in wrong else t.points
+        assert row["tasks"][t.grade_id]["score"] == expected, (t.grade_id, feedback, row["log"])
+    assert row["max"] == sum(t.points for t in tasks)
+    assert row["total"] == sum(0 if t.grade_id in wrong else t.points for t in tasks)
+
+
+def test_feedback_is_precise(graded):
+    subs = graded["doc"]["submissions"]
+    fb = subs["mutant0_01_affine"]["tasks"]["sym_quantize"]["feedback"]
+    assert "expected" in fb and "got" in fb and "codes[" in fb
+    assert "did not finish" in subs["crash_loop_01_affine"]["tasks"]["sym_quantize"]["feedback"]
+    assert "kernel died" in subs["crash_exit_02_granularity"]["tasks"]["group_quantize"]["feedback"]
+    assert "memory" in subs["crash_memory_06_wxay"]["tasks"]["w8a8_matmul"]["feedback"]
+    tamper = subs["tamper_checks_01_affine"]["tasks"]
+    assert "cannot be graded" in tamper["asym_quantize"]["feedback"]
+    assert "could not be read" in subs["malformed_04_fp8"]["tasks"]["e4m3_decode"]["feedback"]
+    log = " ".join(subs["crash_cells_03_nf4"]["log"])
+    assert "timed out" in log and "killed the kernel" in log
+
+
+def test_csv_has_one_row_per_submission(graded):
+    rows = graded["rows"]
+    assert sorted(r["submission"] for r in rows) == sorted(CASES)
+    header = list(rows[0])
+    assert header[0] == "submission" and header[-2:] == ["total", "max"]
+    assert set(header[1:-2]) == set(all_tasks())
+    by = {r["submission"]: r for r in rows}
+    assert by["solution_06_wxay"]["total"] == by["solution_06_wxay"]["max"] == "7"
+    assert by["solution_06_wxay"]["sym_quantize"] == ""  # not this assignment's task
+
+
+def test_speed(graded):
+    per = graded["seconds"] / len(CASES)
+    print(f"{per:.2f} s per submission with --jobs 2 ({len(CASES)} submissions)")
+    assert per < 15
+
+
+def test_resume_skips_graded_and_regrades_missing(graded):
+    out = graded["out"]
+    doc = json.loads((out / "grades.json").read_text())
+    del doc["submissions"]["solution_02_granularity"]
+    (out / "grades.json").write_text(json.dumps(doc))
+    start = time.monotonic()
+    assert (
+        main(
+            [
+                "grade",
+                str(graded["subs"]),
+                "--out",
+                str(out),
+                "--jobs",
+                "2",
+                "--timeout",
+                str(TIMEOUT),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert time.monotonic() - start < 60  # one notebook, not the class
+    again = json.loads((out / "grades.json").read_text())
+    assert again["seed"] == SEED
+    assert again["submissions"]["solution_02_granularity"]["total"] == 4
+    for k, v in graded["doc"]["submissions"].items():
+        if k != "solution_02_granularity":
+            assert again["submissions"][k] == v
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_solutions_and_registry_agree():
+    for a, gids in assignments().items():
+        nb = nbformat.read(str(SOLUTIONS / f"{a}.ipynb"), as_version=4)
+        grade_cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+        assert [c.metadata.nbgrader.grade_id for c in grade_cells] == gids
+        for c in grade_cells:
+            t = all_tasks()[c.metadata.nbgrader.grade_id]
+            assert c.metadata.nbgrader.points == t.points
+            assert c.source == f'check("{t.grade_id}", {t.func_name})'

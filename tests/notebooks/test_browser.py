@@ -1,0 +1,224 @@
+"""Notebook 02 in a real browser: JupyterLab + headless Chromium, driven like a learner.
+
+Starts JupyterLab on 127.0.0.1 (free port, random token) over a temporary copy of
+notebooks/, opens 02_granularity.ipynb in Debian's Chromium through Playwright, runs
+every cell from the Run menu, waits for the error-versus-granularity explorer to
+render, moves its "bits" slider with the keyboard, and checks that the RMSE readout
+the browser displays changes (and agrees with qlab). A screenshot goes to pytest's
+tmp dir and to artifacts/ (git-ignored).
+
+This proves what nbval cannot: the widget front end (ipywidgets' JupyterLab
+extension) renders the explorer, and a slider moved in the page reaches the kernel
+and comes back as a new readout.
+
+Needs Chromium (`apt-get install -y chromium`; Playwright cannot download browsers
+here) and the Python package playwright. Without Chromium the test is skipped on a
+workstation and FAILS when CI=true. QLAB_CHROMIUM overrides the browser's path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOK = "02_granularity.ipynb"
+CHROMIUM = os.environ.get("QLAB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SERVER_START_S = 90  # JupyterLab's first start builds nothing, but imports a lot on 2 cores
+RUN_ALL_S = 180  # every cell of notebook 02 in a fresh kernel on a busy 2-core machine
+SLIDER_S = 60  # one explorer update (< 0.1 s) plus the round trip
+
+
+def _missing(reason: str):
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: the browser test must run in CI)")
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def browser_path() -> str:
+    if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)):
+        _missing(f"Chromium not found at {CHROMIUM}: apt-get install -y chromium")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        _missing("the Python package playwright is not installed: pip install playwright")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server over a copy of notebooks/; yields (base_url, token, log_path)."""
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copytree(REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".*"))
+    # user settings: no news/update pop-ups over the notebook
+    settings = root / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    env = dict(
+        os.environ,
+        JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"),
+        JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    port, token = _free_port(), uuid.uuid4().hex
+    log_path = root / "jupyterlab.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed in the teardown below)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.open_browser=False",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root / 'notebooks'}",
+            "--LabApp.news_url=",
+            # containers and CI runners often run as root, which JupyterLab refuses by default
+            *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
+        ],
+        cwd=root / "notebooks",
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"JupyterLab exited ({proc.returncode}):\n{log_path.read_text()}"
+                )
+            try:
+                req = urllib.request.Request(
+                    f"{base}/api/status", headers={"Authorization": f"token {token}"}
+                )
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"JupyterLab did not answer in {SERVER_START_S} s")
+            time.sleep(0.5)
+        yield base, token, log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+RMSE = re.compile(r"RMSE = ([0-9.]+e[-+][0-9]+)")
+
+
+def _wait_idle(page, timeout_s: float) -> None:
+    """Wait until the notebook's kernel reports idle in the toolbar."""
+    page.wait_for_selector(
+        ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator[data-status='idle']",
+        timeout=timeout_s * 1000,
+    )
+
+
+def test_explorer_slider_changes_readout_in_chromium(browser_path, lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    base, token, log_path = lab
+    shots = [tmp_path / "notebook02_explorer.png", REPO / "artifacts" / "notebook02_explorer.png"]
+    (REPO / "artifacts").mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=browser_path, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}", timeout=SERVER_START_S * 1000)
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=SERVER_START_S * 1000)
+            _wait_idle(page, SERVER_START_S)
+
+            # Run > Run All Cells, as a learner would
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(
+                ".lm-Menu-item",
+                has=page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")),
+            ).click()
+
+            readout = page.locator(".qlab-granularity-explorer .qlab-readout")
+            # attached, not visible: JupyterLab skips rendering cells scrolled out of view
+            readout.wait_for(state="attached", timeout=RUN_ALL_S * 1000)
+            # the cells after the explorer drive it from code: wait until they are all done
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
+                ".every(p => /\\[\\d+\\]/.test(p.textContent))",
+                timeout=RUN_ALL_S * 1000,
+            )
+            _wait_idle(page, RUN_ALL_S)
+            errors = page.locator(
+                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+            )
+            tracebacks = [t for t in errors.all_inner_texts() if "Error" in t]
+            assert not tracebacks, f"a cell failed in the browser:\n{tracebacks[0]}"
+
+            page.keyboard.press("Control+b")  # fold the file browser away: a wider notebook
+            explorer = page.locator(".qlab-granularity-explorer")
+            explorer.scroll_into_view_if_needed()
+            readout.wait_for(state="visible", timeout=SLIDER_S * 1000)
+            before = readout.inner_text()
+            m = RMSE.search(before)
+            assert m and "int4" in before, f"unexpected readout: {before!r}"
+
+            # move the bits slider one step to the right with the keyboard
+            handle = page.locator(".qlab-granularity-explorer .qlab-bits .noUi-handle")
+            handle.focus()
+            handle.press("ArrowRight")
+            page.wait_for_function(
+                "(old) => { const r = document.querySelector("
+                "'.qlab-granularity-explorer .qlab-readout'); return r && r.innerText !== old; }",
+                arg=before,
+                timeout=SLIDER_S * 1000,
+            )
+            after = readout.inner_text()
+            page.screenshot(path=str(shots[0]), full_page=False)
+            shutil.copy(shots[0], shots[1])
+        finally:
+            browser.close()
+
+    assert after != before
+    m_after = RMSE.search(after)
+    assert m_after and "int5" in after, f"readout after the slider moved: {after!r}"
+    # five bits halve the step of four: the error the page shows must fall accordingly
+    assert float(m_after.group(1)) < 0.7 * float(m.group(1))
+    assert shots[0].stat().st_size > 10_000

@@ -1,0 +1,236 @@
+"""qlab.widgets: drive the widgets programmatically (no browser) and check them against qlab."""
+
+import math
+
+import pytest
+import torch
+
+import qlab
+from qlab import cost, formats, metrics
+from qlab.widgets import (
+    DecodeCalculator,
+    FormatExplorer,
+    GranularityExplorer,
+    decode_summary,
+    describe_value,
+    explorer_data,
+    group_grid,
+    make_weights,
+    measure,
+)
+from qlab.widgets.granularity import FAMILIES, GRANULARITIES, scheme_for
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ granularity explorer
+
+
+@pytest.fixture(scope="module")
+def explorer():
+    return GranularityExplorer()
+
+
+def test_make_weights_is_seeded_and_has_the_outliers():
+    a, b = make_weights(20.0), make_weights(20.0)
+    assert torch.equal(a, b) and a.shape == (64, 512) and a.dtype == torch.float32
+    assert int((a.abs() >= 20 * 0.02).sum()) == 8
+    assert not torch.equal(make_weights(20.0, seed=1), a)
+    clean = make_weights(0.0)
+    assert float(clean.abs().max()) < 6 * 0.02  # no outlier beyond a Gaussian's reach
+    assert torch.equal(
+        clean.flatten()[a.flatten().abs() < 0.3], a.flatten()[a.abs().flatten() < 0.3]
+    )
+
+
+def test_readout_follows_the_bits_slider(explorer):
+    explorer.family.value = "int"
+    explorer.granularity.value = 128
+    explorer.outliers.value = 20.0
+    explorer.bits.value = 4
+    text4, rmse4, png4 = explorer.readout.value, explorer.rmse, explorer.image.value
+    assert "RMSE = " in text4 and "int4" in text4
+    explorer.bits.value = 3
+    assert explorer.readout.value != text4 and "int3" in explorer.readout.value
+    assert explorer.rmse > 1.5 * rmse4  # one bit fewer: about twice the step
+    assert bytes(explorer.image.value).startswith(PNG) and bytes(explorer.image.value) != bytes(png4)
+    # the number shown is qlab's
+    w = make_weights(20.0)
+    expected = metrics.rmse(w, qlab.fake_quantize(w, "int3", 128))
+    assert explorer.rmse == pytest.approx(float(expected), rel=1e-12)
+    assert f"{float(expected):.3e}" in explorer.readout.value
+    explorer.bits.value = 4
+
+
+def test_granularity_and_outliers_move_the_error(explorer):
+    explorer.family.value = "int"
+    explorer.bits.value = 4
+    errors = []
+    for g in GRANULARITIES:
+        explorer.granularity.value = g
+        errors.append(explorer.rmse)
+    assert errors[0] > 3 * errors[-1]  # tensor vs g16 with 8 outliers at 20 std
+    assert errors[0] > errors[1] > errors[2]  # tensor > channel > g256
+    explorer.granularity.value = "tensor"
+    explorer.outliers.value = 0.0
+    calm = explorer.rmse
+    explorer.outliers.value = 60.0
+    assert explorer.rmse > 3 * calm
+    explorer.outliers.value = 20.0
+    explorer.granularity.value = 128
+
+
+def test_fixed_block_formats_disable_the_granularity(explorer):
+    explorer.family.value = "mxfp4"
+    assert explorer.granularity.disabled and explorer.bits.disabled
+    assert explorer.data["current"].scheme == "mxfp4"
+    assert explorer.data["current"].bits_per_element == pytest.approx(4.25)
+    assert len(explorer.data["gran_curve"]) == 1
+    explorer.family.value = "nf4"
+    assert not explorer.granularity.disabled and explorer.bits.disabled
+    assert "nf4" in explorer.readout.value
+    explorer.family.value = "int"
+    assert not explorer.bits.disabled
+
+
+def test_explorer_data_is_consistent():
+    d = explorer_data("int_asym", 4, 128, 20.0)
+    counts, edges = d["histogram"]
+    assert int(counts.sum()) + d["n_beyond"] == 64 * 512
+    assert d["n_beyond"] == 8 and d["weights_absmax"] == pytest.approx(0.4, rel=0.05)
+    assert [m.bits for m in d["int_curves"]["int"]] == list(range(2, 9))
+    errs = [m.rmse for m in d["int_curves"]["int"]]
+    assert all(a > b for a, b in zip(errs, errs[1:], strict=False))  # more bits, less error
+    assert d["current"].bits_per_element == pytest.approx(4 + 20 / 128)
+    assert {m.family for m in d["formats"]} == set(FAMILIES.values()) - {"int", "int_asym"}
+
+
+@pytest.mark.parametrize(
+    "family,gran",
+    [
+        ("int", "tensor"),
+        ("int", 64),
+        ("int_asym", 32),
+        ("nf4", 64),
+        ("fp8_e4m3", "channel"),
+        ("mxfp4", None),
+        ("nvfp4", None),
+    ],
+)
+def test_group_grid_holds_every_dequantized_value(family, gran):
+    w = make_weights(20.0)
+    qt = qlab.quantize(w, scheme_for(family, 4), gran)
+    levels, g = group_grid(qt)
+    w_hat = qt.dequantize()
+    n_groups = qt.scales.numel()
+    group_vals = w_hat.reshape(n_groups, -1)[g]  # shape: (group_size,)
+    gap = (group_vals[:, None] - levels[None, :]).abs().min(dim=1).values
+    assert float(gap.max()) <= 1e-6 * float(levels.abs().max())
+    assert levels.numel() == formats.get(qt.scheme.element).values.numel()
+
+
+def test_measure_matches_qlab():
+    w = make_weights(10.0)
+    m = measure(w, "nvfp4", 4, 128)
+    qt = qlab.quantize(w, "nvfp4")
+    assert m.rmse == pytest.approx(float(metrics.rmse(w, qt.dequantize())), rel=1e-12)
+    assert m.sqnr_db == pytest.approx(float(metrics.sqnr_db(w, qt.dequantize())), rel=1e-12)
+    assert m.bits_per_element == pytest.approx(float(qt.bits_per_element))
+
+
+def test_widget_displays_headless(explorer):
+    bundle = explorer._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "qlab-granularity-explorer" in explorer._dom_classes
+    assert "qlab-readout" in explorer.readout._dom_classes
+
+
+# ------------------------------------------------------------------ format explorer
+
+
+def test_describe_value_e4m3():
+    d = describe_value("fp8_e4m3fn", 0.3)
+    assert d["code"] == 42 and d["bits"] == "0.0101.010"
+    assert d["value"] == 0.3125 and d["below"] == 0.28125 and d["above"] == 0.34375
+    assert d["fields"]["exponent"] == 5 and d["fields"]["mantissa"] == 2
+    assert d["abs_error"] == pytest.approx(0.0125)
+    sat = describe_value("fp8_e4m3fn", 1e4)
+    assert sat["value"] == 448.0 and sat["above"] is None  # saturates at the largest value
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "fp8_e5m2", "fp6_e2m3fn", "fp4_e2m1fn", "nf4"])
+def test_describe_value_on_every_representable_value(name):
+    fmt = formats.get(name)
+    values = fmt.values.tolist()
+    for i, v in enumerate(values):
+        d = describe_value(name, v)
+        assert d["value"] == v
+        assert d["code"] == int(fmt.encode(torch.tensor([v]))[0])
+        assert float(fmt.decode(torch.tensor([d["code"]]))[0]) == v
+        assert d["below"] == (values[i - 1] if i > 0 else None)
+        assert d["above"] == (values[i + 1] if i + 1 < len(values) else None)
+
+
+def test_describe_value_without_a_finite_code():
+    d = describe_value("e8m0fnu", -1.0)  # E8M0 has no sign and no zero: NaN
+    assert math.isnan(d["value"]) and d["below"] is None and d["abs_error"] is None
+    assert describe_value("int4", -3.4)["code"] == -3
+
+
+def test_format_explorer_widget():
+    fe = FormatExplorer("fp8_e4m3fn", 0.3)
+    first = fe.readout.value
+    assert "0.0101.010" in first and "0.3125" in first
+    fe.value.value = 300.0
+    assert fe.data["value"] == 288.0 and fe.readout.value != first
+    fe.format.value = "fp8_e5m2"
+    assert fe.data["value"] == float(
+        formats.get("fp8_e5m2").decode(formats.get("fp8_e5m2").encode(torch.tensor([300.0])))[0]
+    )
+    fe.value.value = float("nan")  # must not raise
+    assert bytes(fe.image.value).startswith(PNG)
+
+
+# ------------------------------------------------------------------ decode calculator
+
+
+def test_decode_summary_uses_qlab_cost():
+    s = decode_summary("Llama-3-70B", 4, 128, "H100 SXM", context_len=4096, kv_bits=16)
+    bpw = cost.bits_per_weight(4, 128, scale_bits=16, zero_bits=4)
+    assert s["bits_per_weight"] == bpw == 4.15625
+    assert s["weight_bytes"] == cost.weight_bytes(70.6e9, bpw)
+    assert s["tokens_per_s"] == cost.decode_ceiling_tokens_per_s(s["weight_bytes"], 3.35e12)
+    assert s["kv_bytes_per_token"] == 80 * 8 * 128 * 2 * 2
+    assert s["concurrent_sequences"] == cost.max_concurrent_sequences(
+        "Llama-3-70B", bpw, "H100 SXM", 4096, kv_bits=16
+    )
+    assert s["n_devices"] == 1
+
+
+def test_decode_summary_devices_and_concurrency():
+    s16 = decode_summary("Llama-2-70B", 16, None, "H100 SXM")
+    s8 = decode_summary("Llama-2-70B", 8, None, "H100 SXM")
+    s4 = decode_summary("Llama-2-70B", 4, 128, "H100 SXM")
+    assert s16["n_devices"] == 2 and s8["n_devices"] == 1 and s4["n_devices"] == 1
+    assert s8["memory_left_bytes"] == pytest.approx(11e9)
+    assert s4["memory_left_bytes"] > 0.5 * 80e9
+    assert s4["concurrent_sequences"] >= 4 * s8["concurrent_sequences"]
+    # tensor parallel: two devices, twice the bandwidth
+    assert s16["tokens_per_s"] == pytest.approx(2 * 3.35e12 / 138e9)
+    assert (
+        decode_summary("Llama-2-70B", 4, 128, "H100 SXM", kv_bits=8)["concurrent_sequences"]
+        >= 2 * s4["concurrent_sequences"] - 1
+    )
+
+
+def test_decode_calculator_widget():
+    c = DecodeCalculator()
+    before = c.readout.value
+    assert "tokens/s" in before and "concurrent sequences" in before
+    c.weight_bits.value = 16
+    assert c.group_size.disabled and c.readout.value != before
+    assert c.data == decode_summary(
+        c.model.value, 16, c.group_size.value, c.device.value, c.context_len.value, c.kv_bits.value
+    )
+    c.device.value = "B200"
+    assert c.data["n_devices"] == 1 and "B200" in c.readout.value
