@@ -113,6 +113,8 @@ def e8m0(blocks, scheme):
     shared = torch.clamp(exp_bits - 127 - grid.emax, -127, 127)
     scales = torch.ldexp(torch.ones_like(amax), shared)
     finite = torch.isfinite(amax)
+    if bool(finite.all()):
+        return grid.encode(blocks / scales[..., None]), scales, None, None
     scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
     clean = torch.where(torch.isfinite(blocks), blocks, torch.zeros_like(blocks))
     codes = grid.encode(clean / torch.where(finite, scales, 1.0)[..., None])
