@@ -54,9 +54,9 @@ def main() -> None:
 
     for name, tdtype in [("fp8_e4m3fn", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]:
         fmt = qlab.formats.get(name)
-        cast = median_time(lambda: x.to(tdtype), args.repeat)
-        enc = median_time(lambda: fmt.encode(x), args.repeat)
-        gen = median_time(lambda: fmt.encode_generic(x), args.repeat)
+        cast = median_time(lambda t=tdtype: x.to(t), args.repeat)
+        enc = median_time(lambda f=fmt: f.encode(x), args.repeat)
+        gen = median_time(lambda f=fmt: f.encode_generic(x), args.repeat)
         print(f"{name} encode: qlab {enc * 1e3:8.1f} ms | torch cast {cast * 1e3:8.1f} ms"
               f" | ratio {enc / cast:.2f}x (target <= 3x) | generic codec {gen * 1e3:8.1f} ms"
               f" = {gen / cast:.1f}x")
@@ -64,7 +64,7 @@ def main() -> None:
     print("fake-quantize per scheme (default granularity; int/fp8 per channel):")
     for scheme in qlab.SCHEME_NAMES:
         gran = "channel" if qlab.get_scheme(scheme).scale_rule in ("absmax", "minmax") else None
-        t = median_time(lambda: qlab.fake_quantize(x, scheme, gran), args.repeat)
+        t = median_time(lambda s=scheme, g=gran: qlab.fake_quantize(x, s, g), args.repeat)
         note = " (target < 0.5 s)" if scheme in ("mxfp4", "nvfp4") else ""
         print(f"  {scheme:12s} {t * 1e3:8.1f} ms{note}")
 

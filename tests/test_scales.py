@@ -39,7 +39,8 @@ def mx_reference(x: np.ndarray, scheme: str) -> np.ndarray:
 
 def blocks_with_edges(seed=0) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    parts = [rng.standard_normal(32 * 64).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 20)]
+    octave = np.float32(2.0) ** rng.integers(-20, 20)
+    parts = [rng.standard_normal(32 * 64).astype(np.float32) * octave]
     for amax in (1.0, 4.0, 2.0**-10, 448.0):  # absmax exactly a power of two ...
         b = rng.uniform(-1, 1, 32).astype(np.float32) * np.float32(amax) * 0.9
         b[5] = amax

@@ -48,7 +48,8 @@ class Minifloat:
     _table: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        table = torch.tensor([self._decode_one(c) for c in range(2**self.bits)], dtype=torch.float64)
+        table = [self._decode_one(c) for c in range(2**self.bits)]
+        table = torch.tensor(table, dtype=torch.float64)
         object.__setattr__(self, "_table", table.to(torch.float32))
 
     # ---- layout -------------------------------------------------------------
@@ -173,7 +174,8 @@ class Minifloat:
         if saturate or self.nan_code is None:
             mag = torch.clamp(mag, max=max_mag)
         else:
-            overflow = (1 << (self.exp_bits + self.man_bits)) - (1 << m) if self.inf else self.nan_code
+            inf_code = (1 << (self.exp_bits + self.man_bits)) - (1 << m)  # S.11111.00
+            overflow = inf_code if self.inf else self.nan_code
             mag = torch.where(mag > max_mag, overflow, mag)
         if not bool(torch.isfinite(x.sum())):  # cheap screen; NaN needs its own code
             isnan = torch.isnan(x)
@@ -213,4 +215,6 @@ FP8_E5M2 = Minifloat("fp8_e5m2", 5, 2, 15, nan="ieee", inf=True)  # max 57344
 FP6_E2M3FN = Minifloat("fp6_e2m3fn", 2, 3, 1)  # max 7.5
 FP6_E3M2FN = Minifloat("fp6_e3m2fn", 3, 2, 3)  # max 28
 FP4_E2M1FN = Minifloat("fp4_e2m1fn", 2, 1, 1)  # max 6
-E8M0FNU = Minifloat("e8m0fnu", 8, 0, 127, signed=False, nan="all_ones", subnormals=False, zero=False)
+E8M0FNU = Minifloat(  # 2^(E - 127), E = 0..254; 0xFF is NaN
+    "e8m0fnu", 8, 0, 127, signed=False, nan="all_ones", subnormals=False, zero=False
+)
