@@ -27,8 +27,9 @@ NO_TRITON_MESSAGE = (
 )
 
 HAS_CUDA: bool = torch.cuda.is_available()
+_TRUE = ("1", "true", "on", "yes")  # how Triton reads a boolean environment variable
 
-if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
+if not HAS_CUDA and not os.environ.get("TRITON_INTERPRET", "").strip():
     os.environ["TRITON_INTERPRET"] = "1"
     print(
         "qlab.kernels: no CUDA GPU found, running Triton kernels on the CPU interpreter "
@@ -44,11 +45,11 @@ _language_was_imported = "triton.language" in sys.modules
 
 try:
     import triton  # noqa: F401  (imported after TRITON_INTERPRET is settled)
-except ImportError as err:  # pragma: no cover - exercised on macOS/Windows only
+except ImportError as err:  # macOS/Windows (tests/kernels/test_kernel_backend.py)
     raise ImportError(NO_TRITON_MESSAGE) from err
 
 #: True when kernels run on Triton's CPU interpreter.
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
 
 
 def _reinterpret_triton_language() -> None:

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 import triton
+
+import qlab
 from qlab.kernels import _backend
 from qlab.kernels.dequant import dequantize_int4
 from qlab.kernels.fp8 import fp8_linear, fp8_scaled_mm, pack_fp8, quantize_act_fp8
 from qlab.kernels.w4a16 import pack_w4a16, w4a16_linear
-
-import qlab
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 GROUP_SIZE = 128  # W4A16 group size used throughout the benchmark

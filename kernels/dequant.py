@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from qlab.kernels._backend import check_device
 
 __all__ = ["dequantize_int4"]

@@ -21,7 +21,7 @@ The rescale can wait until the end because every term of the sum over k shares t
 same s_x[m] * s_w[n]; this is why per-token and per-channel scales are free in the
 epilogue while per-group scales along K would not be.
 
-Rounding to E4M3 (step 2) is done with exact fp32 arithmetic (_round_to_e4m3) and the
+Rounding to E4M3 (step 2) is done with exact fp32 arithmetic (round_to_e4m3) and the
 final cast only converts a value that is already on the E4M3 grid. On a GPU the cast
 alone would round correctly (cvt.rn.satfinite), but Triton's CPU interpreter does not
 round to nearest even nor saturate when it casts, and the codes must match qlab bit
@@ -35,11 +35,18 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from qlab.kernels._backend import INTERPRET, check_device
 
 import qlab
+from qlab.kernels._backend import INTERPRET, check_device
 
-__all__ = ["FP8Weight", "pack_fp8", "quantize_act_fp8", "fp8_linear", "fp8_scaled_mm"]
+__all__ = [
+    "FP8Weight",
+    "pack_fp8",
+    "quantize_act_fp8",
+    "fp8_linear",
+    "fp8_scaled_mm",
+    "round_to_e4m3",
+]
 
 F8E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 # Globals a kernel reads must be tl.constexpr:
@@ -64,7 +71,7 @@ class FP8Weight(NamedTuple):
 
 
 @triton.jit
-def _round_to_e4m3(y):
+def round_to_e4m3(y):
     """fp32 -> the nearest E4M3 value (ties to even, saturating at +-448), still in fp32."""
     a = tl.minimum(tl.abs(y), E4M3_MAX)  # saturate (qlab's default, like the OCP spec)
     # Biased fp32 exponent of a; below 2**-6 (E4M3 subnormals) the spacing stays 2**-9.
@@ -125,7 +132,7 @@ def _act_quant_fp8_kernel(
     s = tl.load(scale_ptr + offs_m * stride_s, mask=offs_m < M, other=1.0)
     s = tl.where(s == 0.0, 1.0, s)  # an all-zero row: divide by 1, codes of 0 (as qlab)
     y = tl.div_rn(x.to(tl.float32), s[:, None])  # true fp32 division, as qlab
-    q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)  # exact cast: y is on the grid
+    q = round_to_e4m3(y).to(q_ptr.dtype.element_ty)  # exact cast: y is on the grid
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
 
 

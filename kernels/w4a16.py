@@ -36,9 +36,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from qlab.kernels._backend import INTERPRET, check_device
 
 import qlab
+from qlab.kernels._backend import INTERPRET, check_device
 
 __all__ = ["W4A16Weight", "pack_w4a16", "w4a16_linear"]
 

@@ -71,9 +71,16 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         assignment=args.assignment,
         env=env,
     )
+    missing = [p for p in args.submissions if not Path(p).exists()]
+    if missing:
+        print(f"no such file or folder: {', '.join(missing)}", file=sys.stderr)
+        return 2
     rows = grade_many(
         args.submissions, args.out, jobs=args.jobs, opts=opts, progress=not args.quiet
     )
+    if not rows:
+        print("no notebooks (*.ipynb) found to grade", file=sys.stderr)
+        return 1
     errors = [k for k, r in rows.items() if r.get("status") != "graded"]
     print(f"graded {len(rows)} submission(s) -> {args.out}/grades.csv, grades.json")
     for k in errors:

@@ -7,7 +7,7 @@ import secrets
 from typing import Callable
 
 from qlab.grading import _harness
-from qlab.grading.registry import evaluate, get_task, make_cases
+from qlab.grading.registry import _clone, evaluate, get_task, make_cases
 
 __all__ = ["check", "CheckFailed", "GRADER_ENV"]
 
@@ -26,6 +26,7 @@ def check(grade_id: str, fn: Callable, seed: int | None = None, quiet: bool = Fa
     The values go through the same plain-data conversion as ``qlab grade``, so a return
     value the grader would refuse is refused here too.
     """
+    __tracebackhide__ = True  # IPython and pytest: show the message, not check's frames
     if os.environ.get(GRADER_ENV):
         print(f"(check {grade_id} skipped: `qlab grade` runs its own checks)")
         return True
@@ -35,7 +36,8 @@ def check(grade_id: str, fn: Callable, seed: int | None = None, quiet: bool = Fa
     cases = make_cases(task, seed)
     if not callable(fn):
         raise CheckFailed(f"{grade_id}: pass your function itself, got {type(fn).__name__}")
-    records = _harness.run_cases(fn, cases)
+    # the student's function gets copies: mutating its inputs cannot change the reference's
+    records = _harness.run_cases(fn, [_clone(c) for c in cases])
     result = evaluate(task, cases, records)
     if result.passed:
         if not quiet:

@@ -21,8 +21,10 @@ import base64
 import concurrent.futures as cf
 import csv
 import hashlib
+import importlib.util
 import io
 import json
+import logging
 import multiprocessing
 import os
 import secrets
@@ -60,6 +62,11 @@ _KERNEL_NAME = "qlab-grader"
 _HARNESS_SRC = Path(_harness.__file__).read_text(encoding="utf-8")
 _LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 _RESULT_LIMIT = 64 * 2**20  # bytes of result text accepted from one task call
+# nbclient logs every timeout and dead kernel as an error; those are expected here and
+# end up in the submission's log instead
+_QUIET = logging.getLogger("qlab.grading.nbclient")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
 
 
 @dataclass
@@ -196,6 +203,7 @@ async def _grade_async(
                 iopub_timeout=10,
                 resources={"metadata": {"path": workdir}},
                 record_timing=False,
+                log=_QUIET,
             )
 
             def run(source: str, capture: bool, client: _Client = client):
@@ -252,7 +260,7 @@ async def _grade_async(
                             task, cases[task.grade_id], records, missing
                         )
                         remaining.pop(0)
-            except (RuntimeError, TimeoutError, OSError) as e:  # kernel failed to start
+            except Exception as e:  # noqa: BLE001 - the kernel failed to start or to talk
                 log.append(f"kernel error: {type(e).__name__}: {e}")
                 for task in remaining:
                     results[task.grade_id] = _fail(task, f"the kernel could not run: {e}")
@@ -332,6 +340,8 @@ def grade_submission(path: str | Path, key: str, opts: GradeOptions) -> dict:
             results = asyncio.run(_grade_async(cells, tasks, cases, opts, workdir, log))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+    if any(line.startswith("kernel error") for line in log):
+        row["status"] = "error"  # not the student's doing (as far as we can tell): retry
     for t in tasks:
         r = results[t.grade_id]
         row["tasks"][t.grade_id] = asdict(r)
@@ -384,6 +394,9 @@ def submission_keys(paths: list[Path]) -> dict[str, Path]:
 
 
 def _worker(path: str, key: str, opts: GradeOptions) -> dict:
+    import torch
+
+    torch.set_num_threads(1)  # references are small; --jobs processes share the cores
     try:
         return grade_submission(path, key, opts)
     except Exception as e:  # noqa: BLE001 - a grader bug must not stop the class run
@@ -415,6 +428,8 @@ def grade_many(
     files: list[Path] = []
     for p in map(Path, paths):
         files.extend(sorted(p.rglob("*.ipynb")) if p.is_dir() else [p])
+    if importlib.util.find_spec("ipykernel") is None:
+        raise RuntimeError(f"ipykernel is not installed for {sys.executable}: pip install it")
     keys = submission_keys(files)
     rows: dict[str, dict] = {}
     prev = out / "grades.json"

@@ -297,8 +297,11 @@ def evaluate(
             got = _harness.decode(rec.get("ok"))
         except (_harness.WireError, ValueError, TypeError) as e:
             return fail(f"{label}: could not read the result ({e})")
-        expected = task.reference(*_clone(args))
-        hint = task.compare(expected, got, args)
+        expected = task.reference(*_clone(args))  # a failing reference is a task bug: raise
+        try:
+            hint = task.compare(expected, got, args)
+        except Exception as e:  # noqa: BLE001 - odd values (e.g. bool vs complex) fail the case
+            hint = f"could not compare the result ({type(e).__name__}: {e})"
         if hint:
             return fail(f"{label}: {hint}")
     return TaskResult(

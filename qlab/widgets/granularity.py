@@ -446,7 +446,7 @@ class GranularityExplorer(W.VBox):
         ax_e.set_xlabel("bits per element (scales and zero points included)")
         ax_e.set_ylabel("RMSE")
         ax_e.grid(True, alpha=0.3)
-        ax_e.legend(fontsize=7, ncol=2, loc="upper right")
+        ax_e.legend(fontsize=7, ncol=2, loc="lower left")  # the curves run top-left to bottom-right
 
     def _draw(self) -> None:
         d = self.data

@@ -3,11 +3,15 @@
 MUTANTS[grade_id] = [(name, cell source), ...]: each replaces that task's solution cell
 and must cost exactly that task's points. Submissions are built from solutions/ by
 swapping cell sources, so they track the solution notebooks automatically.
+
+Other chapters add their own bank in ``tests/grading/mutants_<chapter>.py`` (a module
+with a ``MUTANTS`` dict of the same form); it is merged in below.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 from pathlib import Path
 
 import nbformat
@@ -329,6 +333,46 @@ def mxfp4_quantize(x):
 """,
         ),
     ],
+    "nvfp4_quantize": [
+        (
+            "no 2^-6 floor on the block scale",
+            """
+FP8 = qlab.formats.get("fp8_e4m3fn")
+def nvfp4_quantize(x):
+    rows, k = x.shape
+    ts = x.abs().max() / (6.0 * 448.0)
+    blocks = x.reshape(rows, k // 16, 16)
+    bs = FP8.decode(FP8.encode(torch.clamp((blocks.abs().amax(dim=-1) / 6.0) / ts, max=448.0)))
+    return FP4.encode(blocks / (ts * bs)[..., None]).reshape(rows, k), bs, ts
+""",
+        ),
+        (
+            "blocks of 32",
+            """
+FP8 = qlab.formats.get("fp8_e4m3fn")
+def nvfp4_quantize(x):
+    rows, k = x.shape
+    ts = x.abs().max() / (6.0 * 448.0)
+    b32 = x.reshape(rows, -1, 32) if k % 32 == 0 else x.reshape(rows, -1, 16)
+    bs = FP8.decode(FP8.encode(torch.clamp((b32.abs().amax(dim=-1) / 6.0) / ts, 2.0**-6, 448.0)))
+    bs = bs.repeat_interleave(b32.shape[-1] // 16, dim=-1)
+    blocks = x.reshape(rows, k // 16, 16)
+    return FP4.encode(blocks / (ts * bs)[..., None]).reshape(rows, k), bs, ts
+""",
+        ),
+        (
+            "tensor scale amax / 6 (no 448)",
+            """
+FP8 = qlab.formats.get("fp8_e4m3fn")
+def nvfp4_quantize(x):
+    rows, k = x.shape
+    ts = x.abs().max() / 6.0
+    blocks = x.reshape(rows, k // 16, 16)
+    bs = FP8.decode(FP8.encode(torch.clamp((blocks.abs().amax(dim=-1) / 6.0) / ts, 2.0**-6, 448.0)))
+    return FP4.encode(blocks / (ts * bs)[..., None]).reshape(rows, k), bs, ts
+""",
+        ),
+    ],
     "pack_int4": [
         (
             "wrong nibble order",
@@ -396,6 +440,19 @@ def w8a8_matmul(x, w):
 }
 
 
+CORE_ASSIGNMENTS = ("01_affine", "02_granularity", "03_nf4", "04_fp8", "05_mx", "06_wxay")
+
+
+def _merge_chapter_banks() -> None:
+    for path in sorted(Path(__file__).parent.glob("mutants_*.py")):
+        module = importlib.import_module(path.stem)
+        for gid, items in module.MUTANTS.items():
+            MUTANTS.setdefault(gid, []).extend(items)
+
+
+_merge_chapter_banks()
+
+
 def load(name: str, folder: Path = SOLUTIONS) -> nbformat.NotebookNode:
     return nbformat.read(str(folder / f"{name}.ipynb"), as_version=4)
 
@@ -423,15 +480,16 @@ def with_cells(
     return nb
 
 
-def mutant_notebooks() -> dict[str, tuple[str, nbformat.NotebookNode, set[str]]]:
+def mutant_notebooks(
+    names: tuple[str, ...] = CORE_ASSIGNMENTS,
+) -> dict[str, tuple[str, nbformat.NotebookNode, set[str]]]:
     """name -> (assignment, notebook, grade_ids that must score 0). The i-th notebook of an
     assignment carries the i-th mutant of each of its tasks (so few kernels are needed)."""
     from qlab.grading import assignments
 
     out = {}
-    for assignment, gids in assignments().items():
-        if not (SOLUTIONS / f"{assignment}.ipynb").exists():
-            continue
+    for assignment in names:
+        gids = assignments()[assignment]
         nb = load(assignment)
         depth = max(len(MUTANTS.get(g, [])) for g in gids)
         for i in range(depth):

@@ -4,6 +4,7 @@ CPU mode of `python -m qlab.kernels.bench`, plots and recorded-results loading."
 import json
 
 import pytest
+
 from qlab.kernels import bench
 
 

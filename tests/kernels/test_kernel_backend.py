@@ -50,3 +50,11 @@ def test_explicit_choice_is_respected():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "JITFunction"]
     assert "CPU interpreter" not in result.stderr
+
+
+def test_no_triton_gives_a_clear_message():
+    # As on macOS/Windows, where Triton has no wheels.
+    result = _python("import sys\nsys.modules['triton'] = None\nimport qlab.kernels\n")
+    assert result.returncode != 0
+    assert "ImportError: qlab.kernels needs Triton" in result.stderr
+    assert "Linux only" in result.stderr and "Colab" in result.stderr

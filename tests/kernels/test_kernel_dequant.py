@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from qlab.kernels import DEVICE, dequantize_int4
 
 import qlab
+from qlab.kernels import DEVICE, dequantize_int4
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,18 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from qlab.kernels import DEVICE, INTERPRET, FP8Weight, fp8_linear, pack_fp8, quantize_act_fp8
-from qlab.kernels.fp8 import _round_to_e4m3
 
 import qlab
+from qlab.kernels import (
+    DEVICE,
+    INTERPRET,
+    FP8Weight,
+    fp8_linear,
+    fp8_scaled_mm,
+    pack_fp8,
+    quantize_act_fp8,
+)
+from qlab.kernels.fp8 import round_to_e4m3
 from qlab.pipelines import w8a8_reference
 
 E4M3 = qlab.formats.get("fp8_e4m3fn")
@@ -19,7 +27,7 @@ ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(y_ptr + offs, _round_to_e4m3(x), mask=offs < n)
+    tl.store(y_ptr + offs, round_to_e4m3(x), mask=offs < n)
 
 
 def test_round_to_e4m3_every_value_every_tie():
@@ -30,7 +38,7 @@ def test_round_to_e4m3_every_value_every_tie():
     nudge = mids.abs() * 2.0**-20 + 2.0**-30
     x = torch.cat([v, mids, mids - nudge, mids + nudge, torch.tensor([464.0, 1e4, -1e30])])
     x = torch.cat([x, torch.tensor([-0.0, 2.0**-12, -(2.0**-11)])]).float()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, device=DEVICE)
     _round_kernel[(triton.cdiv(x.numel(), 256),)](x.to(DEVICE), y, x.numel(), BLOCK=256)
     want = E4M3.decode(E4M3.encode(x))  # qlab: RNE, saturating, keeps -0.0
     assert torch.equal(y.cpu().view(torch.int32), want.view(torch.int32))
@@ -121,7 +129,7 @@ def test_bound_catches_a_missing_activation_scale():
     assert_within_bound(y, x, weight, "channel", "token")
     _, s_x = quantize_act_fp8(x.to(DEVICE))
     with pytest.raises(AssertionError, match="element"):
-        assert_within_bound(y / s_x.cpu()[:, None].half(), x, weight, "channel", "token")
+        assert_within_bound(y.cpu() / s_x.cpu()[:, None].half(), x, weight, "channel", "token")
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -142,3 +150,20 @@ def test_bad_inputs_raise_clear_errors():
         fp8_linear(torch.randn(64, 2, device=DEVICE).half().T, packed)
     with pytest.raises(ValueError, match="2-D"):
         quantize_act_fp8(torch.randn(64, device=DEVICE))
+
+
+def test_scaled_mm_alone_and_its_errors():
+    torch.manual_seed(2)
+    weight, x = torch.randn(40, 96) * 0.05, torch.randn(6, 96).bfloat16()
+    packed = pack_fp8(weight.to(DEVICE))
+    q_x, s_x = quantize_act_fp8(x.to(DEVICE))
+    y = fp8_scaled_mm(q_x, s_x, packed, torch.bfloat16)
+    assert torch.equal(y, fp8_linear(x.to(DEVICE), packed))  # fp8_linear = quantize + this
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_scaled_mm(q_x.view(torch.uint8), s_x, packed, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"shape \(6,\) or \(\)"):
+        fp8_scaled_mm(q_x, s_x[:3], packed, torch.bfloat16)
+    with pytest.raises(ValueError, match="in_features 96"):
+        fp8_scaled_mm(q_x[:, :64].contiguous(), s_x, packed, torch.bfloat16)
+    with pytest.raises(TypeError, match="out_dtype"):
+        fp8_scaled_mm(q_x, s_x, packed, torch.float32)

@@ -13,9 +13,9 @@ magnitude (test_bound_catches_a_wrong_nibble_order shows it).
 
 import pytest
 import torch
-from qlab.kernels import DEVICE, W4A16Weight, pack_w4a16, w4a16_linear
 
 import qlab
+from qlab.kernels import DEVICE, W4A16Weight, pack_w4a16, w4a16_linear
 from qlab.pipelines import w4a16_reference
 
 ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}

@@ -86,3 +86,34 @@ register(
         signature="mxfp4_quantize(x) -> (codes uint8 E2M1 (R, K), scales float32 (R, K // 32))",
     )
 )
+
+
+def _nvfp4_cases(g: torch.Generator):
+    cases = []
+    for _ in range(3):
+        rows, k = randint(g, 1, 4), 16 * randint(g, 1, 6)
+        cases.append((weights(g, (rows, k), outliers=bool(randint(g, 0, 1))),))
+    x = weights(g, (3, 64))
+    x[1, 16:32] = 0.0  # an all-zero block: its scale is floored at 2^-6, not 0/0
+    x[2, 40] = 80.0  # an outlier: its block scale saturates the tensor scale's range
+    cases.append((x,))
+    return cases
+
+
+def _nvfp4_ref(x):
+    qt = qlab.quantize(x, "nvfp4")
+    return qt.codes, qt.scales, qt.tensor_scale
+
+
+register(
+    Task(
+        grade_id="nvfp4_quantize",
+        func_name="nvfp4_quantize",
+        points=3,
+        assignment=ASSIGNMENT,
+        cases=_nvfp4_cases,
+        reference=_nvfp4_ref,
+        compare=exact(names=("codes", "block_scales", "tensor_scale")),
+        signature="nvfp4_quantize(x) -> (codes uint8 (R, K), block scales (R, K // 16), ts 0-d)",
+    )
+)
