@@ -67,19 +67,8 @@ SHAPES: tuple[tuple[str, int, int], ...] = (
 )
 SHAPES_QUICK = (SHAPES[0], SHAPES[3], SHAPES[4])
 
-# Dense tensor-core peaks in FLOP/s (no 2:4 sparsity) from NVIDIA datasheets; the
-# bandwidths come from qlab.cost.DEVICES, the one copy of those figures.
-PEAK_FLOPS = {
-    # H100 SXM / H200 datasheets: 989 TFLOPS bf16, 1,979 TFLOPS fp8 (dense)
-    "H100 SXM": {"bf16": 989.4e12, "fp8": 1978.9e12},
-    "H200": {"bf16": 989.4e12, "fp8": 1978.9e12},
-    # A100 datasheet: 312 TFLOPS bf16; no fp8 tensor cores (sm_80)
-    "A100 80GB": {"bf16": 312e12, "fp8": None},
-    # HGX B200 datasheet, per GPU: 2.25 PFLOPS bf16, 4.5 PFLOPS fp8 (dense)
-    "B200": {"bf16": 2250e12, "fp8": 4500e12},
-    # Ada whitepaper, RTX 4090: 165.2 TFLOPS fp16/bf16 and 330.3 fp8 with fp32 accumulate
-    "RTX 4090": {"bf16": 165.2e12, "fp8": 330.3e12},
-}
+# Datasheet bandwidths and dense tensor-core peaks live in qlab.cost.DEVICES (one copy).
+PEAK_FLOPS = {name: d.peak_flops for name, d in qlab.cost.DEVICES.items()}
 # Which tensor-core peak bounds each kernel.
 KERNEL_PRECISION = {
     "torch_bf16": "bf16",

@@ -9,7 +9,7 @@ Sizes are decimal (1 GB = 1e9 bytes), as datasheets quote them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "Device",
@@ -29,6 +29,9 @@ class Device:
     name: str
     memory_bytes: float
     bandwidth_bytes_per_s: float
+    # dense peak FLOP/s (no 2:4 sparsity): "bf16" and "fp8" tensor cores (None: not
+    # supported), "fp32" on ordinary CUDA cores
+    peak_flops: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,17 @@ class ModelConfig:
 DEVICES = {
     d.name: d
     for d in [
-        Device("H100 SXM", 80e9, 3.35e12),  # NVIDIA H100 datasheet: 80 GB HBM3, 3.35 TB/s
-        Device("H200", 141e9, 4.8e12),  # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s
-        Device("A100 80GB", 80e9, 2.039e12),  # NVIDIA A100 datasheet (SXM): 2,039 GB/s
-        Device("B200", 192e9, 8.0e12),  # NVIDIA Blackwell datasheet: 192 GB HBM3e, 8 TB/s
-        Device("RTX 4090", 24e9, 1.008e12),  # NVIDIA RTX 4090 spec: 24 GB GDDR6X, 1,008 GB/s
+        # H100 SXM / H200 datasheets: 80 GB HBM3, 3.35 TB/s / 141 GB HBM3e, 4.8 TB/s;
+        # 989 TFLOP/s bf16, 1,979 fp8 (dense), 67 fp32
+        Device("H100 SXM", 80e9, 3.35e12, {"bf16": 989.4e12, "fp8": 1978.9e12, "fp32": 67e12}),
+        Device("H200", 141e9, 4.8e12, {"bf16": 989.4e12, "fp8": 1978.9e12, "fp32": 67e12}),
+        # A100 datasheet (SXM): 80 GB, 2,039 GB/s, 312 TFLOP/s bf16, 19.5 fp32; no fp8 (sm_80)
+        Device("A100 80GB", 80e9, 2.039e12, {"bf16": 312e12, "fp8": None, "fp32": 19.5e12}),
+        # Blackwell datasheet / HGX B200 per GPU: 192 GB HBM3e, 8 TB/s, 2.25 / 4.5 PFLOP/s
+        Device("B200", 192e9, 8.0e12, {"bf16": 2250e12, "fp8": 4500e12}),
+        # Ada whitepaper, RTX 4090: 24 GB GDDR6X, 1,008 GB/s; 165.2 TFLOP/s bf16 and 330.3
+        # fp8 with fp32 accumulate, 82.6 fp32
+        Device("RTX 4090", 24e9, 1.008e12, {"bf16": 165.2e12, "fp8": 330.3e12, "fp32": 82.6e12}),
     ]
 }
 

@@ -53,7 +53,8 @@ def test_readout_follows_the_bits_slider(explorer):
     explorer.bits.value = 3
     assert explorer.readout.value != text4 and "int3" in explorer.readout.value
     assert explorer.rmse > 1.5 * rmse4  # one bit fewer: about twice the step
-    assert bytes(explorer.image.value).startswith(PNG) and bytes(explorer.image.value) != bytes(png4)
+    png = bytes(explorer.image.value)
+    assert png.startswith(PNG) and png != bytes(png4)
     # the number shown is qlab's
     w = make_weights(20.0)
     expected = metrics.rmse(w, qlab.fake_quantize(w, "int3", 128))

@@ -57,7 +57,11 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        k = self.keys[0]
+        """Tokens cached so far (read it before a forward pass: layers append in order)."""
+        return self.layer_length(0)
+
+    def layer_length(self, layer: int) -> int:
+        k = self.keys[layer]
         return 0 if k is None else k.shape[2]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -87,7 +91,7 @@ class Attention(nn.Module):
             k, v = self.kv_transform(k), self.kv_transform(v)
         past = 0
         if cache is not None:
-            past = cache.length
+            past = cache.layer_length(layer)  # not cache.length: earlier layers already appended
             k, v = cache.append(layer, k, v)
         S = k.shape[2]
         # Causal mask for T new queries at positions past..past+T-1 over S keys.

@@ -8,6 +8,7 @@ so a notebook can hold the baseline and several variants side by side:
     quantize_kv_cache(model, "int4", "token")         K and V as stored in the KV cache
     prune_magnitude(model, 0.5)                       neighbour: zero the smallest weights
     low_rank(model, 32)                               neighbour: truncated SVD of each linear
+    move_scale_into_layernorm(model, c, 30.0)         same function, one outlier channel
 
 and the measurements compare logits of a variant against the baseline on the same
 windows of held-out text:
@@ -222,7 +223,10 @@ def outlier_channels(model: TinyLM, windows: torch.Tensor, k: int) -> dict[str, 
 
 @torch.no_grad()
 def input_absmax(model: TinyLM, windows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """float32 (in_features,) per block linear: max |input| per channel over ``windows``."""
+    """float32 (in_features,) per block linear: max |input| per channel over ``windows``.
+
+    Activation quantizers attached to ``model`` (forward pre-hooks) are dropped first, so
+    these are the inputs a quantizer would see; quantized weights or KV still apply."""
     out: dict[str, torch.Tensor] = {}
     m = copy.deepcopy(model)
     _drop_hooks(m)
@@ -280,6 +284,26 @@ def quantize_kv_cache(model: TinyLM, scheme, granularity: Granularity = None,
     chosen = range(q.cfg.n_layer) if layers is None else layers
     for i in chosen:
         q.blocks[i].attn.kv_transform = lambda t: qlab.fake_quantize(t, scheme, g)
+    return q
+
+
+@torch.no_grad()
+def move_scale_into_layernorm(model: TinyLM, channel: int, factor: float) -> TinyLM:
+    """Copy with an activation outlier in ``channel`` and (in exact arithmetic) the same function.
+
+    In every block, LayerNorm gain and bias of ``channel`` are multiplied by ``factor`` and
+    the matching input column of the next linear (attn.qkv after ln1, mlp.fc1 after ln2) is
+    divided by it: ``(g * f) * x_hat @ (W / f)`` is unchanged, but the linear's INPUT now has
+    one channel ``factor`` times larger. Large LayerNorm gains are where the outlier channels
+    of big LLMs come from (Wei et al. 2022, "Outlier Suppression"); SmoothQuant (Xiao et al.
+    2023) is this same move run backwards, to shrink outliers before quantizing.
+    """
+    q = copy.deepcopy(model)
+    for block in q.blocks:
+        for ln, lin in ((block.ln1, block.attn.qkv), (block.ln2, block.mlp.fc1)):
+            ln.weight[channel] *= factor
+            ln.bias[channel] *= factor
+            lin.weight[:, channel] /= factor
     return q
 
 

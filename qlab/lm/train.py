@@ -9,10 +9,12 @@ algorithms are enforced, and a fixed number of steps (not a time budget) ends th
 run. The same torch version and thread count give the same bytes; other versions or
 CPUs may differ in the last float bits, and so in the final loss by a little.
 
-Shipped run (see README.md for the full record): 1000 steps of 16 x 256 bytes
-(4.1 M bytes, ~4.5 passes over the 0.9 MB training split), AdamW, 2 threads on a
-shared 2-core CPU. Wall time, final losses and validation perplexity are filled in
-from the run log in README.md.
+Shipped run (record in README.md): 1000 steps of 16 x 256 bytes (4.1 M bytes, ~4.5
+passes over the 0.9 MB training split), AdamW, 2 threads. Final training loss 1.491
+nats/byte (mean of the last 50 steps), validation loss 1.485, validation perplexity
+4.415 per byte over all 382 held-out windows. Wall time 1908 s (31.8 min) on a 2-core
+CPU shared with four other jobs (about 26 CPU-minutes); alone on 2 cores a step takes
+~0.42 s, so the run takes ~7 minutes.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def _train(steps: int, threads: int, log_every: int, cfg: TinyLMConfig | None):
         "steps": steps, "batch_size": BATCH_SIZE, "block_size": block, "seed": SEED,
         "train_loss_last50": sum(recent) / len(recent), "val_loss": val_loss,
         "val_ppl": math.exp(val_loss), "val_windows": n_val, "train_seconds": round(train_time, 1),
-        "threads": threads, "torch": torch.__version__,
+        "threads": threads, "torch": str(torch.__version__),
     }
     return model, history, meta
 

@@ -130,3 +130,17 @@ def test_layer_sensitivity(base, ref, windows):
     assert all(v > 0 for v in sens.values())
     with pytest.raises(KeyError, match="no linear layer"):
         Q.quantize_weights(base, "int4", only=["blocks.9.attn.qkv"])
+
+
+def test_move_scale_into_layernorm_keeps_function_creates_outlier(base, ref, windows):
+    m = Q.move_scale_into_layernorm(base, 83, 30.0)
+    # same function up to float32 rounding (logits reach |22|; measured 2.5e-5)
+    assert (Q.logits(m, windows) - ref).abs().max() < 1e-3
+    amax = Q.input_absmax(m, windows[:1])["blocks.1.mlp.fc1"]
+    assert amax.argmax() == 83 and amax[83] > 10 * amax.median()
+    # ...which per-token int8 activations notice, and keeping channel 83 in float undoes
+    a8 = Q.compare(ref, Q.logits(Q.quantize_activations(m, "int8"), windows), windows)
+    keep = {n: torch.tensor([83]) for n in base.linear_layers() if n.endswith(("qkv", "fc1"))}
+    a8k = Q.compare(ref, Q.logits(Q.quantize_activations(m, "int8", keep_fp=keep), windows),
+                    windows)
+    assert a8.kl > 5 * a8k.kl

@@ -156,6 +156,9 @@ def _wait_idle(page, timeout_s: float) -> None:
     )
 
 
+TRACEBACK = (
+    ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']:has-text('Error')"
+)
 ALL_CODE_CELLS_RAN = (
     "() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) "
     ".jp-CodeCell .jp-InputPrompt')].every(p => /\\[\\d+\\]/.test(p.textContent))"
@@ -207,6 +210,9 @@ def _run_all(page, readout, timeout_s: float) -> None:
     dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        failed = page.locator(TRACEBACK)
+        if failed.count():  # Run All stops at the first error: fail now, not at the timeout
+            raise AssertionError(f"a cell failed in the browser:\n{failed.first.text_content()}")
         if dialog.count():
             dialog.locator(".jp-mod-accept").click()
             _wait_idle(page, max(1.0, deadline - time.monotonic()))
@@ -224,6 +230,7 @@ def test_explorer_slider_changes_readout_in_chromium(browser_path, lab, tmp_path
     base, token, log_path = lab
     shots = [tmp_path / "notebook02_explorer.png", REPO / "artifacts" / "notebook02_explorer.png"]
     (REPO / "artifacts").mkdir(exist_ok=True)
+    page = None
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=browser_path, args=CHROMIUM_ARGS)
         try:
@@ -235,11 +242,6 @@ def test_explorer_slider_changes_readout_in_chromium(browser_path, lab, tmp_path
 
             readout = page.locator(".qlab-granularity-explorer .qlab-readout")
             _run_all(page, readout, RUN_ALL_S)
-            errors = page.locator(
-                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-            )
-            tracebacks = [t for t in errors.all_inner_texts() if "Error" in t]
-            assert not tracebacks, f"a cell failed in the browser:\n{tracebacks[0]}"
 
             page.keyboard.press("Control+b")  # fold the file browser away: a wider notebook
             explorer = page.locator(".qlab-granularity-explorer")
@@ -275,7 +277,8 @@ def test_explorer_slider_changes_readout_in_chromium(browser_path, lab, tmp_path
         except Exception:
             # leave evidence for whoever reads the CI log: a screenshot and the server log
             failure = REPO / "artifacts" / "notebook02_failure.png"
-            page.screenshot(path=str(failure))
+            if page is not None:
+                page.screenshot(path=str(failure))
             print(f"screenshot of the failure: {failure}\nJupyterLab log: {log_path}")
             raise
         finally:
@@ -286,4 +289,9 @@ def test_explorer_slider_changes_readout_in_chromium(browser_path, lab, tmp_path
     assert m_after and "int5" in after, f"readout after the slider moved: {after!r}"
     # five bits halve the step of four: the error the page shows must fall accordingly
     assert float(m_after.group(1)) < 0.7 * float(m.group(1))
+    # and it is qlab's number for that setting (default explorer: group 128, outliers 20)
+    from qlab.widgets import explorer_data
+
+    expected = explorer_data("int", 5, 128, 20.0)["current"].rmse
+    assert m_after.group(1) == f"{expected:.3e}"
     assert shots[0].stat().st_size > 10_000
