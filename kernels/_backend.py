@@ -85,3 +85,17 @@ def check_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"inputs are on different devices {sorted(map(str, devices))}")
+
+
+def check_linear_weight(weight) -> None:
+    """An nn.Linear-shaped weight: a floating-point torch tensor (N=out, K=in)."""
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError(
+            f"weight must be a floating-point torch tensor (N, K), got "
+            f"{getattr(weight, 'dtype', type(weight).__name__)}"
+        )
+    if weight.ndim != 2:
+        raise ValueError(
+            f"weight must be 2-D (out_features N, in_features K) like nn.Linear.weight, "
+            f"got shape {tuple(weight.shape)}"
+        )

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 import qlab
-from qlab.kernels._backend import INTERPRET, check_device
+from qlab.kernels._backend import INTERPRET, check_device, check_linear_weight
 
 __all__ = [
     "FP8Weight",
@@ -207,16 +207,7 @@ def pack_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weight:
     """Quantize an nn.Linear weight (N, K) to FP8 E4M3 with qlab.quantize(weight,
     "fp8_e4m3", granularity); granularity "channel" (one scale per output row) or "tensor".
     """
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise TypeError(
-            f"weight must be a floating-point torch tensor (N, K), got "
-            f"{getattr(weight, 'dtype', type(weight).__name__)}"
-        )
-    if weight.ndim != 2:
-        raise ValueError(
-            f"weight must be 2-D (out_features N, in_features K) like nn.Linear.weight, "
-            f"got shape {tuple(weight.shape)}"
-        )
+    check_linear_weight(weight)
     if granularity not in ("channel", "tensor"):
         raise ValueError(
             f"granularity must be 'channel' or 'tensor' for the FP8 kernel, got "

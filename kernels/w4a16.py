@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 import qlab
-from qlab.kernels._backend import INTERPRET, check_device
+from qlab.kernels._backend import INTERPRET, check_device, check_linear_weight
 
 __all__ = ["W4A16Weight", "pack_w4a16", "w4a16_linear"]
 
@@ -172,16 +172,7 @@ def pack_w4a16(weight: torch.Tensor, group_size: int = 128) -> W4A16Weight:
     Uses qlab.quantize(weight, "int4", group_size) and qlab.pack_int4 (THE nibble order).
     group_size must divide K and be a multiple of 16 (the kernel's smallest K tile).
     """
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise TypeError(
-            f"weight must be a floating-point torch tensor (N, K), got "
-            f"{getattr(weight, 'dtype', type(weight).__name__)}"
-        )
-    if weight.ndim != 2:
-        raise ValueError(
-            f"weight must be 2-D (out_features N, in_features K) like nn.Linear.weight, "
-            f"got shape {tuple(weight.shape)}"
-        )
+    check_linear_weight(weight)
     N, K = weight.shape
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")

@@ -440,7 +440,9 @@ def w8a8_matmul(x, w):
 }
 
 
-CORE_ASSIGNMENTS = ("01_affine", "02_granularity", "03_nf4", "04_fp8", "05_mx", "06_wxay")
+CORE_ASSIGNMENTS = (
+    "01_affine", "02_granularity", "03_nf4", "04_fp8", "05_mx", "06_wxay", "07_quality",
+)
 
 
 def _merge_chapter_banks() -> None:

@@ -1,4 +1,5 @@
-"""Task modules, one per chapter: ``ch01_affine.py``, ..., ``ch06_wxay.py``.
+"""Task modules, one per chapter: ``ch01_affine.py`` ... ``ch07_quality.py`` and the Triton
+labs ``ch08_*`` ... ``ch10_*``.
 
 Every module in this package whose name starts with ``ch`` is imported, and registers
 its tasks with ``qlab.grading.registry.register`` at import time. To add a chapter
