@@ -46,3 +46,16 @@ def test_short_training_run_reduces_loss_and_is_reproducible():
     assert meta["val_loss"] < losses[0]
     assert torch.get_num_threads() == threads  # train() restores global torch state
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_script_reproduces_the_shipped_run_start():
+    """The script's seed, config and data order are the shipped run's: its first logged
+    loss (train_log.txt, 4 decimals) comes back. (The full 1000 steps take ~7 min alone.)"""
+    from pathlib import Path
+
+    import qlab.lm
+
+    log = (Path(qlab.lm.__file__).parent / "train_log.txt").read_text().splitlines()
+    first = next(line for line in log if line.split()[:2] == ["step", "0"])
+    _, hist, _ = train(1, threads=2, log_every=0)
+    assert f"{hist[0][1]:.4f}" == first.split()[3]
