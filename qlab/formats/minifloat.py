@@ -139,10 +139,11 @@ class Minifloat:
         """
         x = as_float32(x)
         fast = _TORCH_FP8.get(self.name)
-        if fast is not None and (saturate or self.name == "fp8_e5m2"):
-            if saturate and self.name == "fp8_e5m2":  # torch overflows e5m2 to inf
-                x = torch.clamp(x, -self.max, self.max)  # (clamp keeps NaN)
-            return x.to(fast).view(torch.uint8)
+        if fast is not None and (saturate or self.inf):
+            codes = x.to(fast).view(torch.uint8)
+            if saturate and self.inf:  # torch overflows e5m2 to inf: one code down is +-max
+                codes = codes - ((codes & 0x7F) == self._max_mag + 1).view(torch.uint8)
+            return codes
         return self.encode_generic(x, saturate)
 
     def encode_generic(self, x, saturate: bool = True) -> torch.Tensor:
