@@ -99,3 +99,19 @@ def check_linear_weight(weight) -> None:
             f"weight must be 2-D (out_features N, in_features K) like nn.Linear.weight, "
             f"got shape {tuple(weight.shape)}"
         )
+
+
+def check_activation(x, K: int) -> None:
+    """Activations for a linear kernel: a contiguous fp16/bf16 tensor (..., K)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(
+            f"x must be a float16 or bfloat16 tensor (16-bit activations), got "
+            f"{getattr(x, 'dtype', type(x).__name__)}; cast with x.half() or x.bfloat16()"
+        )
+    if x.ndim == 0 or x.shape[-1] != K:
+        raise ValueError(
+            f"x has shape {tuple(x.shape)} but the weight expects in_features K = {K} "
+            "as the last dimension"
+        )
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous; call x.contiguous() first")

@@ -37,7 +37,12 @@ import triton
 import triton.language as tl
 
 import qlab
-from qlab.kernels._backend import INTERPRET, check_device, check_linear_weight
+from qlab.kernels._backend import (
+    INTERPRET,
+    check_activation,
+    check_device,
+    check_linear_weight,
+)
 
 __all__ = [
     "FP8Weight",
@@ -277,21 +282,10 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, act_granularity: str = "token") ->
     """
     if not isinstance(w, FP8Weight):
         raise TypeError(f"w must be the FP8Weight from pack_fp8, got {type(w).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(
-            f"x must be a float16 or bfloat16 tensor, got "
-            f"{getattr(x, 'dtype', type(x).__name__)}; cast with x.half() or x.bfloat16()"
-        )
     if act_granularity not in ("token", "tensor"):
         raise ValueError(f"act_granularity must be 'token' or 'tensor', got {act_granularity!r}")
     N, K = w.shape
-    if x.ndim == 0 or x.shape[-1] != K:
-        raise ValueError(
-            f"x has shape {tuple(x.shape)} but the weight expects in_features K = {K} "
-            "as the last dimension"
-        )
-    if not x.is_contiguous():
-        raise ValueError("x must be contiguous; call x.contiguous() first")
+    check_activation(x, K)
     check_device(x, w.codes, w.scales)
     _check_fp8_device(x)
 

@@ -38,7 +38,12 @@ import triton
 import triton.language as tl
 
 import qlab
-from qlab.kernels._backend import INTERPRET, check_device, check_linear_weight
+from qlab.kernels._backend import (
+    INTERPRET,
+    check_activation,
+    check_device,
+    check_linear_weight,
+)
 
 __all__ = ["W4A16Weight", "pack_w4a16", "w4a16_linear"]
 
@@ -204,19 +209,8 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     """
     if not isinstance(w, W4A16Weight):
         raise TypeError(f"w must be the W4A16Weight from pack_w4a16, got {type(w).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(
-            f"x must be a float16 or bfloat16 tensor (W4A16: 16-bit activations), got "
-            f"{getattr(x, 'dtype', type(x).__name__)}; cast with x.half() or x.bfloat16()"
-        )
     N, K = w.shape
-    if x.ndim == 0 or x.shape[-1] != K:
-        raise ValueError(
-            f"x has shape {tuple(x.shape)} but the weight expects in_features K = {K} "
-            "as the last dimension"
-        )
-    if not x.is_contiguous():
-        raise ValueError("x must be contiguous; call x.contiguous() first")
+    check_activation(x, K)
     check_device(x, w.packed, w.scales)
 
     x2 = x.reshape(-1, K)  # shape: (M, K)

@@ -110,6 +110,10 @@ def test_bad_inputs():
             qlab.quantize(y, "int4")
     with pytest.raises(ValueError, match="fixes blocks of 32"):
         qlab.quantize(torch.randn(64), "mxfp4", 16)
+    with pytest.raises(ValueError, match="does not divide the last dimension"):
+        qlab.quantize(torch.randn(4, 48), "mxfp4")  # MX blocks of 32 along the last axis
+    with pytest.raises(ValueError, match="does not divide the last dimension"):
+        qlab.quantize(torch.randn(4, 40), "nvfp4")
     with pytest.raises(ValueError, match="outside the range"):
         qlab.quantize(torch.tensor([1e9, 1.0]), "int4")  # 1e9 / 7 does not fit an fp16 scale
     with pytest.raises(ValueError, match="outside the range"):

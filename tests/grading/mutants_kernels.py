@@ -8,11 +8,7 @@ checks them in-process and grades a class of kernel submissions end to end.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import nbformat
-
-SOLUTIONS = Path(__file__).resolve().parents[2] / "solutions"
+from mutant_edits import build_mutants
 
 SIGN = ("code = tl.where(nibble >= 8, nibble - 16, nibble)", "code = nibble")
 
@@ -61,29 +57,4 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
 }
 
 
-def _solution_sources() -> dict[str, str]:
-    out = {}
-    for path in sorted(SOLUTIONS.glob("*.ipynb")):
-        for cell in nbformat.read(str(path), as_version=4).cells:
-            gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
-            if gid.endswith("_solution"):
-                out[gid.removesuffix("_solution")] = cell.source
-    return out
-
-
-def _build() -> dict[str, list[tuple[str, str]]]:
-    sources = _solution_sources()
-    mutants = {}
-    for gid, edits in _EDITS.items():
-        mutants[gid] = []
-        for name, changes in edits:
-            src = sources[gid]
-            for old, new in changes:
-                if old not in src:
-                    raise AssertionError(f"mutant {gid!r} / {name!r}: {old!r} not in the solution")
-                src = src.replace(old, new)
-            mutants[gid].append((name, src))
-    return mutants
-
-
-MUTANTS = _build()
+MUTANTS = build_mutants(_EDITS)

@@ -9,11 +9,7 @@ test_grading_check.py runs every one through `check` on several seeds.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import nbformat
-
-SOLUTION = Path(__file__).resolve().parents[2] / "solutions" / "07_quality.ipynb"
+from mutant_edits import build_mutants
 
 PPL_RETURN = "return math.exp(nll.mean().item())"
 KL_SUM = "kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)"
@@ -67,24 +63,4 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
 }
 
 
-def _build() -> dict[str, list[tuple[str, str]]]:
-    nb = nbformat.read(str(SOLUTION), as_version=4)
-    sources = {}
-    for cell in nb.cells:
-        gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
-        if gid.endswith("_solution"):
-            sources[gid.removesuffix("_solution")] = cell.source
-    mutants = {}
-    for gid, edits in _EDITS.items():
-        mutants[gid] = []
-        for name, changes in edits:
-            src = sources[gid]
-            for old, new in changes:
-                if old not in src:
-                    raise AssertionError(f"mutant {gid!r} / {name!r}: {old!r} not in the solution")
-                src = src.replace(old, new)
-            mutants[gid].append((name, src))
-    return mutants
-
-
-MUTANTS = _build()
+MUTANTS = build_mutants(_EDITS)
