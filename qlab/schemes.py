@@ -39,10 +39,6 @@ class Scheme:
     def grid(self):
         return formats.get(self.element)
 
-    @property
-    def symmetric(self) -> bool:
-        return self.scale_rule != "minmax"
-
 
 def int_scheme(bits: int, symmetric: bool = True) -> Scheme:
     """Integer scheme of `bits` (2..8): symmetric int{b} or asymmetric uint{b}_asym."""

@@ -44,7 +44,6 @@ class Minifloat:
     nan: str | None = None  # None | "all_ones" (S.1111.111) | "ieee" (E all ones, M != 0)
     inf: bool = False  # IEEE infinities (E all ones, M == 0)
     subnormals: bool = True
-    zero: bool = True
     _table: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -217,5 +216,5 @@ FP6_E2M3FN = Minifloat("fp6_e2m3fn", 2, 3, 1)  # max 7.5
 FP6_E3M2FN = Minifloat("fp6_e3m2fn", 3, 2, 3)  # max 28
 FP4_E2M1FN = Minifloat("fp4_e2m1fn", 2, 1, 1)  # max 6
 E8M0FNU = Minifloat(  # 2^(E - 127), E = 0..254; 0xFF is NaN
-    "e8m0fnu", 8, 0, 127, signed=False, nan="all_ones", subnormals=False, zero=False
+    "e8m0fnu", 8, 0, 127, signed=False, nan="all_ones", subnormals=False
 )

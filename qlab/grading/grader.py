@@ -393,6 +393,22 @@ def submission_keys(paths: list[Path]) -> dict[str, Path]:
     return keys
 
 
+def _error_row(key: str, path: str, sha256: str, seed: int, message: str) -> dict:
+    """The CSV/JSON row of a submission the grader itself could not grade."""
+    return {
+        "submission": key,
+        "path": path,
+        "sha256": sha256,
+        "assignment": None,
+        "seed": seed,
+        "status": "error",
+        "tasks": {},
+        "total": 0,
+        "max": 0,
+        "log": [message],
+    }
+
+
 def _worker(path: str, key: str, opts: GradeOptions) -> dict:
     import torch
 
@@ -400,18 +416,7 @@ def _worker(path: str, key: str, opts: GradeOptions) -> dict:
     try:
         return grade_submission(path, key, opts)
     except Exception as e:  # noqa: BLE001 - a grader bug must not stop the class run
-        return {
-            "submission": key,
-            "path": path,
-            "sha256": _sha256(Path(path)),
-            "assignment": None,
-            "seed": opts.seed,
-            "status": "error",
-            "tasks": {},
-            "total": 0,
-            "max": 0,
-            "log": [f"grader error: {type(e).__name__}: {e}"],
-        }
+        return _error_row(key, path, _sha256(Path(path)), opts.seed, f"grader error: {e!r}")
 
 
 def grade_many(
@@ -474,18 +479,8 @@ def grade_many(
                     try:
                         rows[k] = fut.result()
                     except Exception as e:  # noqa: BLE001 - e.g. a worker killed by the OS
-                        rows[k] = {
-                            "submission": k,
-                            "path": str(keys[k]),
-                            "sha256": "",
-                            "assignment": None,
-                            "seed": opts.seed,
-                            "status": "error",
-                            "tasks": {},
-                            "total": 0,
-                            "max": 0,
-                            "log": [f"grader worker failed: {type(e).__name__}: {e}"],
-                        }
+                        msg = f"grader worker failed: {e!r}"
+                        rows[k] = _error_row(k, str(keys[k]), "", opts.seed, msg)
                     _write(out, rows, opts.seed)
                     bar.update(1)
     finally:
