@@ -51,6 +51,16 @@ except ImportError as err:  # macOS/Windows (tests/kernels/test_kernel_backend.p
 #: True when kernels run on Triton's CPU interpreter.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
 
+# Checked: Triton 3.9's interpreter runs every kernel here; 3.6's mishandles some of them
+# (signed zeros, NumPy 2 scalars) while its GPU compiler builds them all (AOT tests).
+INTERPRETER_MIN_TRITON = (3, 9)
+if INTERPRET and tuple(int(p) for p in triton.__version__.split(".")[:2]) < INTERPRETER_MIN_TRITON:
+    print(
+        f"qlab.kernels: Triton {triton.__version__}'s CPU interpreter gets some of these kernels "
+        "wrong; on a CPU use Triton >= 3.9 (make lab installs it).",
+        file=sys.stderr,
+    )
+
 
 def _reinterpret_triton_language() -> None:
     """`import triton` before qlab.kernels built Triton's own @jit library functions
