@@ -138,8 +138,9 @@ def dequantize(qt: QTensor) -> torch.Tensor:
 
 
 def fake_quantize(x, scheme: str | Scheme, granularity: Granularity | None = None) -> torch.Tensor:
-    """dequantize(quantize(x)) returned in x's dtype (numpy inputs come back as torch)."""
+    """dequantize(quantize(x)) returned in x's dtype and on x's device (numpy inputs come
+    back as torch tensors). qlab computes on the CPU: it is the reference, not the kernel."""
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x)
     out = dequantize(quantize(x, scheme, granularity))
-    return out.to(x.dtype) if x.is_floating_point() else out
+    return out.to(device=x.device, dtype=x.dtype) if x.is_floating_point() else out
