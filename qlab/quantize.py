@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from qlab._tensor import as_float32, check_finite
-from qlab.scales import NF4_DQ_BLOCK, RULES, element_values
+from qlab.scales import NF4_DQ_BLOCK, RULES
 from qlab.schemes import Granularity, Scheme, get_scheme
 
 __all__ = ["QTensor", "quantize", "dequantize", "fake_quantize"]
@@ -114,21 +114,21 @@ def quantize(x, scheme: str | Scheme, granularity: Granularity | None = None) ->
     gran = _resolve(sch, granularity, x.shape)
     if sch.scale_rule != "e8m0":
         check_finite(x, sch.name)
-    codes, scales, zeros, tscale = RULES[sch.scale_rule](_blocks(x, gran), sch)
-    meta_shape = () if gran == "tensor" else (*x.shape[:-1], scales.shape[-1]) if x.ndim else (1,)
+    r = RULES[sch.scale_rule](_blocks(x, gran), sch)
+    meta_shape = () if gran == "tensor" else (*x.shape[:-1], r.scales.shape[-1]) if x.ndim else (1,)
     return QTensor(
-        codes=codes.reshape(x.shape),
-        scales=scales.reshape(meta_shape),
-        zero_points=None if zeros is None else zeros.reshape(meta_shape),
+        codes=r.codes.reshape(x.shape),
+        scales=r.scales.reshape(meta_shape),
+        zero_points=None if r.zero_points is None else r.zero_points.reshape(meta_shape),
         scheme=sch,
         granularity=gran,
-        tensor_scale=tscale,
+        tensor_scale=r.tensor_scale,
     )
 
 
 def dequantize(qt: QTensor) -> torch.Tensor:
     """x_hat = scale * (value(code) - zero_point), float32 in x's shape."""
-    values = _blocks(element_values(qt.scheme, qt.codes), qt.granularity)
+    values = _blocks(qt.scheme.grid.decode(qt.codes), qt.granularity)
     scales = qt.scales.float().reshape(values.shape[:-1])
     if qt.zero_points is not None:
         values = values - qt.zero_points.float().reshape(values.shape[:-1])[..., None]

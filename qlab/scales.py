@@ -1,6 +1,6 @@
 """Scale rules. Each takes blocks of shape (R, G, g) - R rows, G groups of g elements
-along the last axis - and returns (codes (R, G, g), scales (R, G), zero_points or None,
-tensor_scale or None).
+along the last axis - and returns a RuleResult: codes (R, G, g), scales (R, G),
+zero_points (R, G) or None, tensor_scale (a 0-d tensor, NVFP4 only) or None.
 
 Every rule divides x by its scale (a true float32 division, never a multiply by a
 reciprocal), except NF4, which follows bitsandbytes: x * fp32(1 / absmax).
@@ -9,15 +9,31 @@ A group that is all zeros gets codes of 0.0 and dequantizes to zeros.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
-from qlab.formats import FLOATS, get
-from qlab.schemes import Scheme
+from qlab.formats import FLOATS
+from qlab.schemes import ScaleRule, Scheme
 
 FP8_E4M3 = FLOATS["fp8_e4m3fn"]
-NVFP4_TENSOR_DIVISOR = 6.0 * 448.0  # 2688: FP4 max * E4M3 max
+NVFP4_TENSOR_DIVISOR = FLOATS["fp4_e2m1fn"].max * FP8_E4M3.max  # 2688.0 = 6 * 448
 NVFP4_BLOCK_SCALE_MIN = 2.0**-6  # smallest normal E4M3: all-zero blocks come back as zeros
 NF4_DQ_BLOCK = 256  # QLoRA double quantization: one fp32 scale per 256 absmax values
+# The second level of NF4 double quantization: int8, absmax rule, fp32 scales.
+INT8_FP32 = Scheme(
+    name="int8_fp32", element="int8", scale_rule="absmax", scale_bits=32,
+    scale_dtype=torch.float32,
+)  # fmt: skip
+
+
+class RuleResult(NamedTuple):
+    """What a scale rule returns (shapes for blocks of shape (R, G, g))."""
+
+    codes: torch.Tensor  # (R, G, g) integer codes of the element grid
+    scales: torch.Tensor  # (R, G) in scheme.scale_dtype (E8M0/E4M3 values as fp32)
+    zero_points: torch.Tensor | None = None  # (R, G) uint8, asymmetric rules only
+    tensor_scale: torch.Tensor | None = None  # () fp32, NVFP4's per-tensor scale
 
 
 def _amax(blocks: torch.Tensor) -> torch.Tensor:
@@ -44,15 +60,15 @@ def _store(s: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     return stored
 
 
-def absmax(blocks, scheme):
+def absmax(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
     """Symmetric: s = absmax / grid.max (stored in scheme.scale_dtype); codes = grid(x / s)."""
     grid = scheme.grid
     scales = _store(_amax(blocks) / grid.max, scheme)
     codes = grid.encode(blocks / _nonzero(scales.float())[..., None])
-    return codes, scales, None, None
+    return RuleResult(codes, scales)
 
 
-def minmax(blocks, scheme):
+def minmax(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
     """Asymmetric: s = (max - min) / (2^b - 1) over a range that includes 0,
     z = round(-min / s), q = clamp(round(x / s) + z, 0, 2^b - 1). Real 0 maps to q = z,
     so it dequantizes to exactly 0 (zero padding and ReLU zeros stay exact)."""
@@ -66,10 +82,10 @@ def minmax(blocks, scheme):
     s = _nonzero(scales.float())
     zero_points = torch.clamp(torch.round(-lo / s), 0, grid.qmax)
     codes = grid.encode(torch.round(blocks / s[..., None]) + zero_points[..., None])
-    return codes, scales, zero_points.to(torch.uint8), None
+    return RuleResult(codes, scales, zero_points.to(torch.uint8))
 
 
-def nf4(blocks, scheme):
+def nf4(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
     """bitsandbytes' NF4 blockwise: codes = nf4(fp32(x * fp32(1/absmax))), absmax in fp32.
 
     With double quantization (QLoRA) the absmax values are quantized again: their mean
@@ -83,25 +99,25 @@ def nf4(blocks, scheme):
         normalized = torch.where(torch.isinf(inv)[..., None], blocks / amax[..., None], normalized)
     codes = scheme.grid.encode(normalized)
     scales = double_quantize(amax) if scheme.double_quant else amax
-    return codes, scales, None, None
+    return RuleResult(codes, scales)
 
 
 def double_quantize(amax: torch.Tensor) -> torch.Tensor:
-    """Reconstructed absmax after QLoRA-style double quantization (see nf4)."""
-    from qlab.quantize import fake_quantize
-
+    """Reconstructed absmax after QLoRA-style double quantization (see nf4): the mean is
+    subtracted, the rest quantized with the absmax rule on the int8 grid in blocks of 256
+    (one fp32 scale each), then dequantized and the mean added back."""
     flat = amax.reshape(-1)
     if flat.numel() == 0:
         return amax
     offset = flat.mean()
     pad = (-flat.numel()) % NF4_DQ_BLOCK
     centred = torch.nn.functional.pad(flat - offset, (0, pad))
-    int8_fp32 = Scheme("int8_fp32", "int8", "absmax", scale_bits=32, scale_dtype=torch.float32)
-    rebuilt = fake_quantize(centred, int8_fp32, NF4_DQ_BLOCK)[: flat.numel()] + offset
-    return rebuilt.reshape(amax.shape)
+    r = absmax(centred.reshape(1, -1, NF4_DQ_BLOCK), INT8_FP32)  # shape: (1, G, 256)
+    rebuilt = r.codes.float() * r.scales[..., None]  # int8 code * fp32 scale, exact product
+    return (rebuilt.reshape(-1)[: flat.numel()] + offset).reshape(amax.shape)
 
 
-def e8m0(blocks, scheme):
+def e8m0(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
     """OCP MX v1.0, section 6.3: X = 2^(floor(log2(amax)) - emax_elem), clamped to
     [-127, 127] (the E8M0 range). floor(log2) is read from the float32 exponent bits,
     not computed with log2 (which rounds up just below powers of two). Elements are
@@ -114,14 +130,14 @@ def e8m0(blocks, scheme):
     scales = torch.ldexp(torch.ones_like(amax), shared)
     finite = torch.isfinite(amax)
     if bool(finite.all()):
-        return grid.encode(blocks / scales[..., None]), scales, None, None
+        return RuleResult(grid.encode(blocks / scales[..., None]), scales)
     scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
     clean = torch.where(torch.isfinite(blocks), blocks, torch.zeros_like(blocks))
     codes = grid.encode(clean / torch.where(finite, scales, 1.0)[..., None])
-    return codes, scales, None, None
+    return RuleResult(codes, scales)
 
 
-def nvfp4(blocks, scheme):
+def nvfp4(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
     """NVFP4, all in fp32: ts = amax / 2688; bs = E4M3(clamp((block_amax / 6) / ts,
     2^-6, 448)); e = E2M1(x / (ts * bs)) RNE saturating; x_hat = e * (ts * bs).
     (Some implementations skip the 2^-6 floor; then an all-zero block divides 0 by 0.)"""
@@ -129,16 +145,13 @@ def nvfp4(blocks, scheme):
     tensor_amax = _amax(blocks.reshape(1, -1))[0]
     ts = tensor_amax / NVFP4_TENSOR_DIVISOR
     block_amax = _amax(blocks)
-    bs_hp = (block_amax / 6.0) / ts if float(ts) > 0 else torch.zeros_like(block_amax)
+    bs_hp = (block_amax / grid.max) / ts if float(ts) > 0 else torch.zeros_like(block_amax)
     bs_hp = torch.clamp(bs_hp, NVFP4_BLOCK_SCALE_MIN, FP8_E4M3.max)
     bs = FP8_E4M3.decode(FP8_E4M3.encode(bs_hp))
     codes = grid.encode(blocks / _nonzero(ts * bs)[..., None])
-    return codes, bs, None, ts
+    return RuleResult(codes, bs, tensor_scale=ts)
 
 
-RULES = {"absmax": absmax, "minmax": minmax, "nf4": nf4, "e8m0": e8m0, "nvfp4": nvfp4}
-
-
-def element_values(scheme: Scheme, codes: torch.Tensor) -> torch.Tensor:
-    """Decode codes to grid values (float32)."""
-    return get(scheme.element).decode(codes)
+RULES: dict[ScaleRule, Callable[[torch.Tensor, Scheme], RuleResult]] = {
+    "absmax": absmax, "minmax": minmax, "nf4": nf4, "e8m0": e8m0, "nvfp4": nvfp4,
+}  # fmt: skip

@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from qlab import formats
+from qlab.formats import Grid
 from qlab.formats.integer import MAX_BITS, MIN_BITS
 
 Granularity = str | int  # "tensor" | "channel" | group size along the last axis
+ScaleRule = Literal["absmax", "minmax", "nf4", "e8m0", "nvfp4"]  # see qlab/scales.py
 
 
 @dataclass(frozen=True)
 class Scheme:
     name: str
     element: str  # a qlab.formats name
-    scale_rule: str  # "absmax" | "minmax" | "nf4" | "e8m0" | "nvfp4"
+    scale_rule: ScaleRule
     default_granularity: Granularity = "tensor"
     block: int | None = None  # a block size the format fixes (MX 32, NVFP4 16)
     scale_bits: int = 16  # bits of one stored scale
@@ -36,7 +39,7 @@ class Scheme:
     double_quant: bool = False  # NF4: quantize the block absmax values again
 
     @property
-    def grid(self):
+    def grid(self) -> Grid:
         return formats.get(self.element)
 
 
@@ -45,12 +48,18 @@ def int_scheme(bits: int, symmetric: bool = True) -> Scheme:
     if not (isinstance(bits, int) and MIN_BITS <= bits <= MAX_BITS):
         raise ValueError(f"integer schemes take {MIN_BITS}..{MAX_BITS} bits, got {bits!r}")
     if symmetric:
-        return Scheme(f"int{bits}", f"int{bits}", "absmax")
-    return Scheme(f"uint{bits}_asym", f"uint{bits}", "minmax", zero_bits=bits)
+        return Scheme(name=f"int{bits}", element=f"int{bits}", scale_rule="absmax")
+    return Scheme(
+        name=f"uint{bits}_asym", element=f"uint{bits}", scale_rule="minmax", zero_bits=bits
+    )
 
 
 def _mx(name: str, element: str) -> Scheme:
-    return Scheme(name, element, "e8m0", 32, 32, 8, 0, torch.float32)
+    """OCP MX v1.0: blocks of 32 sharing one E8M0 (8-bit power-of-two) scale."""
+    return Scheme(
+        name=name, element=element, scale_rule="e8m0", block=32, scale_bits=8,
+        scale_dtype=torch.float32,  # E8M0 values held as fp32 (exact: powers of two)
+    )  # fmt: skip
 
 
 _F32 = dict(scale_bits=32, scale_dtype=torch.float32)
@@ -59,18 +68,24 @@ SCHEMES: dict[str, Scheme] = {
     for s in [
         int_scheme(8),
         int_scheme(4),
-        Scheme("int4_asym", "uint4", "minmax", zero_bits=4),
-        Scheme("uint8_asym", "uint8", "minmax", zero_bits=8),
-        Scheme("nf4", "nf4", "nf4", 64, **_F32),
-        Scheme("nf4_dq", "nf4", "nf4", 64, double_quant=True, **_F32),
-        Scheme("fp8_e4m3", "fp8_e4m3fn", "absmax", **_F32),
-        Scheme("fp8_e5m2", "fp8_e5m2", "absmax", **_F32),
+        Scheme(name="int4_asym", element="uint4", scale_rule="minmax", zero_bits=4),
+        Scheme(name="uint8_asym", element="uint8", scale_rule="minmax", zero_bits=8),
+        Scheme(name="nf4", element="nf4", scale_rule="nf4", default_granularity=64, **_F32),
+        Scheme(
+            name="nf4_dq", element="nf4", scale_rule="nf4", default_granularity=64,
+            double_quant=True, **_F32,
+        ),  # fmt: skip
+        Scheme(name="fp8_e4m3", element="fp8_e4m3fn", scale_rule="absmax", **_F32),
+        Scheme(name="fp8_e5m2", element="fp8_e5m2", scale_rule="absmax", **_F32),
         _mx("mxfp8_e4m3", "fp8_e4m3fn"),
         _mx("mxfp8_e5m2", "fp8_e5m2"),
         _mx("mxfp6_e2m3", "fp6_e2m3fn"),
         _mx("mxfp6_e3m2", "fp6_e3m2fn"),
         _mx("mxfp4", "fp4_e2m1fn"),
-        Scheme("nvfp4", "fp4_e2m1fn", "nvfp4", 16, 16, 8, 0, torch.float32),
+        Scheme(
+            name="nvfp4", element="fp4_e2m1fn", scale_rule="nvfp4", block=16, scale_bits=8,
+            scale_dtype=torch.float32,  # E4M3 block scale values held as fp32 (exact)
+        ),  # fmt: skip
     ]
 }
 SCHEME_NAMES = tuple(SCHEMES)

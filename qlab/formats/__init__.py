@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from qlab.formats.grid import Grid
 from qlab.formats.integer import MAX_BITS, MIN_BITS, IntGrid
 from qlab.formats.minifloat import (
     E8M0FNU,
@@ -26,7 +27,7 @@ FLOATS = {f.name: f for f in (FP8_E4M3FN, FP8_E5M2, FP6_E2M3FN, FP6_E3M2FN, FP4_
 _INTS = {f"{p}{b}": IntGrid(b, p == "int") for p in ("int", "uint") for b in range(2, 9)}
 
 
-def get(name: str):
+def get(name: str) -> Grid:
     """The element grid called `name` (see the module docstring for the names)."""
     if name in FLOATS:
         return FLOATS[name]
@@ -44,4 +45,4 @@ def names() -> list[str]:
     return list(FLOATS) + ["nf4"] + list(_INTS)
 
 
-__all__ = ["get", "names", "Minifloat", "IntGrid", "NF4_LEVELS", "quantile_levels"]
+__all__ = ["get", "names", "Grid", "Minifloat", "IntGrid", "NF4_LEVELS", "quantile_levels"]

@@ -14,7 +14,8 @@ and the measurements compare logits of a variant against the baseline on the sam
 windows of held-out text:
 
     ref = logits(base, windows); q = logits(variant, windows)
-    compare(ref, q, windows)   -> Comparison(ppl_ref, ppl, kl, flip_rate, ...)
+    compare(ref, q, windows)   -> Comparison(ppl_ref, ppl, kl, flip_rate, ..., 95 % intervals)
+    bootstrap_mean_ci(per_window_values)                    -> (lo, hi) over windows
     kl_per_token(ref, q)       -> (N, T) KL(ref || q) of every next-byte prediction
     worst_examples(ref, q, windows, k)
     layer_sensitivity(base, windows, transform)
@@ -105,11 +106,18 @@ def kl_per_token(ref_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tens
 
 @dataclass
 class Comparison:
+    """Baseline vs variant on the same windows. Each *_ci is a 95 % percentile-bootstrap
+    interval over windows (resampled with replacement, the same windows for both models),
+    so it shows how much a figure could move with other text of the same kind."""
+
     ppl_ref: float  # perplexity of the baseline on the windows
     ppl: float  # perplexity of the variant
     kl: float  # mean KL(baseline || variant) per next-byte prediction, nats
     kl_max: float  # the worst single prediction's KL
     flip_rate: float  # fraction of positions whose top-1 next byte changed
+    ppl_change_ci: tuple[float, float] = (math.nan, math.nan)  # of ppl / ppl_ref - 1
+    kl_ci: tuple[float, float] = (math.nan, math.nan)
+    flip_rate_ci: tuple[float, float] = (math.nan, math.nan)
 
     @property
     def ppl_change(self) -> float:
@@ -120,15 +128,50 @@ class Comparison:
         return (f"ppl {self.ppl:7.3f} ({100 * self.ppl_change:+6.2f} %)  KL {self.kl:.4f}  "
                 f"max KL {self.kl_max:6.3f}  flips {100 * self.flip_rate:5.2f} %")
 
+    def row_ci(self) -> str:
+        """row() with the 95 % bootstrap intervals."""
+        (p0, p1), (k0, k1), (f0, f1) = self.ppl_change_ci, self.kl_ci, self.flip_rate_ci
+        return (f"ppl {self.ppl:7.3f} ({100 * self.ppl_change:+6.2f} % "
+                f"[{100 * p0:+.2f}, {100 * p1:+.2f}])  KL {self.kl:.4f} [{k0:.4f}, {k1:.4f}]  "
+                f"flips {100 * self.flip_rate:5.2f} % [{100 * f0:.2f}, {100 * f1:.2f}]")
 
-def compare(ref_logits: torch.Tensor, q_logits: torch.Tensor, windows: torch.Tensor) -> Comparison:
-    kl = kl_per_token(ref_logits, q_logits)
+
+def bootstrap_mean_ci(per_window: torch.Tensor, n_boot: int = 1000, level: float = 0.95,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the mean of per_window (N,) values: draw N windows
+    with replacement n_boot times (seeded, so reproducible), take the mean of each draw,
+    return the (1 - level) / 2 and (1 + level) / 2 quantiles. Windows, not tokens, are
+    resampled: neighbouring tokens of one window are not independent."""
+    v = torch.as_tensor(per_window, dtype=torch.float64).reshape(-1)
+    if v.numel() == 0:
+        raise ValueError("bootstrap_mean_ci needs at least one window")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, v.numel(), (n_boot, v.numel()), generator=g)
+    means = v[idx].mean(dim=1)
+    lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2],
+                                                dtype=torch.float64))
+    return float(lo), float(hi)
+
+
+def compare(ref_logits: torch.Tensor, q_logits: torch.Tensor, windows: torch.Tensor,
+            n_boot: int = 1000, seed: int = 0) -> Comparison:
+    """Perplexity, KL, flip rate of q against ref on the same windows, with 95 % bootstrap
+    intervals over windows (n_boot resamples, seeded)."""
+    kl = kl_per_token(ref_logits, q_logits)  # shape: (N, T)
+    flips = (ref_logits.argmax(-1) != q_logits.argmax(-1)).double()  # shape: (N, T)
+    nll_gap = (nll(q_logits, windows) - nll(ref_logits, windows)).double().mean(dim=1)
+    lo, hi = bootstrap_mean_ci(nll_gap, n_boot, seed=seed)  # ppl / ppl_ref = exp(mean gap)
     return Comparison(
         ppl_ref=perplexity(ref_logits, windows),
         ppl=perplexity(q_logits, windows),
         kl=kl.mean().item(),
         kl_max=kl.max().item(),
         flip_rate=float(qlab.metrics.flip_rate(ref_logits, q_logits)),
+        ppl_change_ci=(math.expm1(lo), math.expm1(hi)),
+        kl_ci=bootstrap_mean_ci(kl.double().mean(dim=1), n_boot, seed=seed),
+        flip_rate_ci=bootstrap_mean_ci(flips.mean(dim=1), n_boot, seed=seed),
     )
 
 

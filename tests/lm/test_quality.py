@@ -144,3 +144,27 @@ def test_move_scale_into_layernorm_keeps_function_creates_outlier(base, ref, win
     a8k = Q.compare(ref, Q.logits(Q.quantize_activations(m, "int8", keep_fp=keep), windows),
                     windows)
     assert a8.kl > 5 * a8k.kl
+
+
+def test_bootstrap_interval_of_the_mean():
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(400, generator=g, dtype=torch.float64) + 3.0
+    lo, hi = Q.bootstrap_mean_ci(v, n_boot=2000)
+    se = float(v.std() / 400**0.5)  # normal theory: the 95 % interval is mean +- 1.96 se
+    assert lo < float(v.mean()) < hi
+    assert abs((hi - lo) - 2 * 1.96 * se) < 0.15 * (2 * 1.96 * se)
+    assert Q.bootstrap_mean_ci(v, n_boot=2000) == (lo, hi)  # seeded: reproducible
+    lo4, hi4 = Q.bootstrap_mean_ci(v[:100], n_boot=2000)  # 4x fewer windows: ~2x wider
+    assert 1.6 < (hi4 - lo4) / (hi - lo) < 2.5
+    with pytest.raises(ValueError, match="at least one"):
+        Q.bootstrap_mean_ci(torch.tensor([]))
+
+
+def test_comparison_intervals_bracket_the_estimates(base, ref, windows):
+    c = _cmp(Q.quantize_weights(base, "int3"), ref, windows)
+    assert c.ppl_change_ci[0] <= c.ppl_change <= c.ppl_change_ci[1]
+    assert c.kl_ci[0] <= c.kl <= c.kl_ci[1] and c.kl_ci[0] > 0
+    assert c.flip_rate_ci[0] <= c.flip_rate <= c.flip_rate_ci[1]
+    assert "[" in c.row_ci()
+    same = Q.compare(ref, ref, windows)
+    assert same.kl_ci == (0.0, 0.0) and same.ppl_change_ci == (0.0, 0.0)

@@ -1,0 +1,26 @@
+"""qlab.ptq: post-training quantization methods that use calibration data.
+
+Chapter 12 (outliers):  hadamard, fwht, random_rotation (rotations), smooth_scales
+                        (SmoothQuant), mixed_precision_matmul (LLM.int8())
+Chapter 13 (rounding):  hessian, gptq (GPTQ), awq (AWQ)
+
+Each is a small reference implementation in plain torch that takes and returns torch
+tensors (or qlab QTensors) and checks its inputs.
+"""
+
+from qlab.ptq.awq import awq
+from qlab.ptq.gptq import gptq, hessian
+from qlab.ptq.llm_int8 import mixed_precision_matmul
+from qlab.ptq.rotation import fwht, hadamard, random_rotation
+from qlab.ptq.smoothquant import smooth_scales
+
+__all__ = [
+    "hadamard",
+    "fwht",
+    "random_rotation",
+    "smooth_scales",
+    "mixed_precision_matmul",
+    "hessian",
+    "gptq",
+    "awq",
+]
