@@ -3,7 +3,8 @@ along the last axis - and returns a RuleResult: codes (R, G, g), scales (R, G),
 zero_points (R, G) or None, tensor_scale (a 0-d tensor, NVFP4 only) or None.
 
 Every rule divides x by its scale (a true float32 division, never a multiply by a
-reciprocal), except NF4, which follows bitsandbytes: x * fp32(1 / absmax).
+reciprocal), except NF4, which follows bitsandbytes: x * fp32(1 / absmax), and the GGUF
+rules, which follow llama.cpp's reference quantizer (ggml-quants.c): x * fp32(1 / d).
 A group that is all zeros gets codes of 0.0 and dequantizes to zeros.
 """
 
@@ -152,6 +153,47 @@ def nvfp4(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
     return RuleResult(codes, bs, tensor_scale=ts)
 
 
+def round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf: nearest integer, ties away from zero (2.5 -> 3, -2.5 -> -3), exactly.
+    (floor(v + 0.5) is not the same: 0.49999997 + 0.5 rounds to 1.0 in float32.)"""
+    whole = torch.trunc(v)
+    tie = (v - whole).abs() == 0.5  # the fractional part of a float32 is exact
+    return torch.where(tie, whole + torch.sign(v), torch.round(v))
+
+
+def ggml_q8_0(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
+    """llama.cpp's quantize_row_q8_0_ref, all in fp32: d = absmax / 127, id = 1 / d (0 when
+    d = 0), q = roundf(x * id): round half AWAY from zero, not qlab's half-to-even (C's
+    roundf; gguf's numpy port does the same). d is rounded to fp16 only when stored, after
+    the codes: the codes come from the fp32 d. An fp16 overflow (absmax > 127 * 65504) is
+    stored as inf, as llama.cpp does, and dequantizes to inf/NaN."""
+    d = _amax(blocks) / 127.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    codes = torch.clamp(round_half_away(blocks * inv[..., None]), -127, 127)
+    return RuleResult(codes.to(torch.int8), d.to(torch.float16))
+
+
+def ggml_q4_0(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
+    """llama.cpp's quantize_row_q4_0_ref (uint4 grid) and quantize_row_q5_0_ref (uint5), fp32:
+    m = the element of largest |x| WITH its sign (the first one on ties), d = m / -2^(b-1),
+    q = min(2^b - 1, trunc(x * (1 / d) + 2^(b-1) + 0.5)); x_hat = d * (q - 2^(b-1)).
+    So m itself lands on code 0 (value -2^(b-1)): the grid is -8..7 for Q4_0, the extra
+    negative level goes to the largest weight, and the other sign clamps at 7/8 of it.
+    trunc(v + 0.5) of a non-negative v rounds ties UP (not to even), after v + 0.5 is
+    rounded to fp32. zero_points hold the implied offset 2^(b-1); d is stored as fp16."""
+    grid = scheme.grid
+    half = (grid.qmax + 1) // 2
+    amax = _amax(blocks)
+    signed_max = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))[..., 0]
+    signed_max = torch.where(amax == 0, torch.zeros_like(amax), signed_max)  # C starts at +0.0
+    d = signed_max / -float(half)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    codes = torch.clamp(torch.trunc(blocks * inv[..., None] + (half + 0.5)), 0, grid.qmax)
+    zero_points = torch.full_like(d, half, dtype=torch.uint8)
+    return RuleResult(codes.to(torch.uint8), d.to(torch.float16), zero_points)
+
+
 RULES: dict[ScaleRule, Callable[[torch.Tensor, Scheme], RuleResult]] = {
     "absmax": absmax, "minmax": minmax, "nf4": nf4, "e8m0": e8m0, "nvfp4": nvfp4,
+    "ggml_q8_0": ggml_q8_0, "ggml_q4_0": ggml_q4_0,
 }  # fmt: skip

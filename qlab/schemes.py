@@ -8,6 +8,12 @@ scale rules (implemented in qlab/scales.py):
     nf4     absmax, but x is multiplied by fp32(1/absmax) (bitsandbytes' order)
     e8m0    OCP MX v1.0 shared power-of-two scale
     nvfp4   E4M3 block scale under an FP32 per-tensor scale
+    ggml_q8_0  llama.cpp's Q8_0: s = absmax / 127, codes = roundf(x * (1 / s)) (half away)
+    ggml_q4_0  llama.cpp's Q4_0 / Q5_0: s = signed max / -2^(b-1), unsigned codes with an
+               implied offset 2^(b-1) (the zero_points), q = min(2^b - 1,
+               trunc(x * (1 / s) + 2^(b-1) + 0.5))
+The GGUF formats that do not fit one scale per block (Q4_1, Q5_1, the K-quants) live in
+qlab/gguf, which also writes and reads the files.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from qlab.formats import Grid
 from qlab.formats.integer import MAX_BITS, MIN_BITS
 
 Granularity = str | int  # "tensor" | "channel" | group size along the last axis
-ScaleRule = Literal["absmax", "minmax", "nf4", "e8m0", "nvfp4"]  # see qlab/scales.py
+ScaleRule = Literal[
+    "absmax", "minmax", "nf4", "e8m0", "nvfp4", "ggml_q8_0", "ggml_q4_0"
+]  # see qlab/scales.py
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,11 @@ SCHEMES: dict[str, Scheme] = {
             name="nvfp4", element="fp4_e2m1fn", scale_rule="nvfp4", block=16, scale_bits=8,
             scale_dtype=torch.float32,  # E4M3 block scale values held as fp32 (exact)
         ),  # fmt: skip
+        # GGUF (llama.cpp) blocks of 32 with one fp16 scale: 8.5, 4.5 and 5.5 bits per weight.
+        # Q4_0/Q5_0 codes are unsigned; the offset 2^(b-1) is implied by the format, not stored.
+        Scheme(name="q8_0", element="int8", scale_rule="ggml_q8_0", block=32),
+        Scheme(name="q4_0", element="uint4", scale_rule="ggml_q4_0", block=32),
+        Scheme(name="q5_0", element="uint5", scale_rule="ggml_q4_0", block=32),
     ]
 }
 SCHEME_NAMES = tuple(SCHEMES)

@@ -1,0 +1,204 @@
+"""Chapter 15 (GGUF): decode a Q4_0 block from its bytes, the Q4_K super-block scales,
+and llama.cpp's Q8_0 quantizer with its own rounding.
+
+Spec clauses, and the fixed case (present on every seed) where breaking each one changes
+the answer (tests/grading/mutants_ch15.py holds a mutant per clause):
+
+decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)
+  D1 d = bytes 0-1 as a little-endian float16 ........................... "edges" every row
+  D2 byte 2 + j: low nibble = element j, high nibble = element j + 16 .... "edges" row 0, 1
+  D3 x = d * (q - 8): offset 8, not a sign-extended nibble ............... "edges" row 1
+  D4 one float32 multiply d * (q - 8) (not q*d - 8*d: inf - inf) ......... "edges" row 2
+q4k_scales(blocks uint8 (n, 144)) -> (scales float32 (n, 8), mins float32 (n, 8))
+  K1 d = bytes 0-1, dmin = bytes 2-3 (float16); scale = d * sc, min = dmin * m .. every row
+  K2 sub-blocks 0-3: sc = s[j] & 63, m = s[j + 4] & 63 (s = bytes 4..15) . "edges" row 0
+  K3 sub-blocks 4-7: low 4 bits from s[j + 4] (sc low nibble, m high
+     nibble), top 2 bits from bits 6-7 of s[j - 4] (sc) and s[j] (m) .... "edges" row 0
+quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))
+  Q1 d = absmax / 127 in float32 (absmax of a negative value too) ........ "edges" row 1
+  Q2 q = roundf(x * (1 / d)): multiply by the float32 reciprocal ......... "edges" row 2
+  Q3 ties round half AWAY from zero (both signs) ......................... "edges" row 0
+  Q4 codes from the float32 d; d rounded to float16 only when stored ..... "edges" row 3
+  Q5 an all-zero block: d = 0, q = 0 ..................................... "edges" row 4
+"""
+
+from __future__ import annotations
+
+import torch
+
+import qlab
+import qlab.gguf as G
+from qlab.grading.registry import Task, exact, register
+from qlab.grading.tasks._inputs import randint, weights
+from qlab.scales import round_half_away
+
+ASSIGNMENT = "15_gguf"
+
+
+def _rand_bytes(g: torch.Generator, n: int, size: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=g)
+
+
+def _fp16_bytes(v: float) -> torch.Tensor:
+    return torch.tensor([v], dtype=torch.float16).view(torch.uint8)
+
+
+# --------------------------------------------------------------------------- Q4_0 decode
+
+
+def _q4_0_edges(g: torch.Generator) -> torch.Tensor:
+    """Row 0: a real block whose halves differ (positive first half, negative second) with a
+    scale whose two bytes differ; row 1: every nibble value in both halves, in different
+    orders; row 2: d = +inf (an fp16 scale overflow) with codes on both sides of 8."""
+    w = weights(g, (1, 32)).abs() + 0.01
+    w[0, 16:] = -w[0, 16:] * 0.5
+    rows = [G.quantize(w, "Q4_0").data[0]]
+    lo = torch.randperm(16, generator=g).to(torch.uint8)
+    hi = torch.randperm(16, generator=g).to(torch.uint8)
+    d = 0.01 * randint(g, 1, 9) + 0.001  # bytes differ: swapping them gives another value
+    rows.append(torch.cat([_fp16_bytes(d), lo | (hi << 4)]))
+    codes = _rand_bytes(g, 1, 16)[0]
+    codes[0] = 0x1F  # q = 15 and q = 1: inf * (q - 8) = +-inf, while q*d - 8*d = inf - inf
+    rows.append(torch.cat([_fp16_bytes(float("inf")), codes]))
+    return torch.stack(rows)
+
+
+def _q4_0_cases(g: torch.Generator):
+    cases = [(_q4_0_edges(g),)]
+    for _ in range(2):
+        w = weights(g, (randint(g, 1, 4), 32 * randint(g, 1, 3)), outliers=True)
+        cases.append((G.quantize(w, "Q4_0").data.reshape(-1, 18),))
+    cases.append((_rand_bytes(g, randint(g, 1, 6), 18),))  # every bit pattern
+    return cases
+
+
+register(
+    Task(
+        grade_id="q4_0_decode",
+        func_name="decode_q4_0",
+        points=3,
+        assignment=ASSIGNMENT,
+        cases=_q4_0_cases,
+        reference=lambda blocks: G.from_bytes("Q4_0", (len(blocks), 32), blocks).dequantize(),
+        compare=exact(),
+        signature="decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)",
+    )
+)
+
+
+# --------------------------------------------------------------------------- Q4_K scales
+
+# Every 6-bit value has its own pattern of high bits, so taking a top-2-bit field from the
+# wrong byte, or a nibble from the wrong half, changes at least one output.
+_SC = torch.tensor([[63, 0, 17, 48, 33, 62, 5, 40]], dtype=torch.uint8)
+_M = torch.tensor([[1, 60, 32, 15, 63, 16, 47, 2]], dtype=torch.uint8)
+
+
+def _q4k_edges(g: torch.Generator) -> torch.Tensor:
+    """Row 0: crafted sub-block scales/mins (_SC, _M) under random d in [0.01, 0.05] and
+    dmin in [0.001, 0.005] (never equal: swapping them shows); row 1: a real super-block."""
+    head = torch.cat([_fp16_bytes(0.01 + 0.0008 * randint(g, 0, 50)),
+                      _fp16_bytes(0.001 + 0.00008 * randint(g, 0, 50))])  # fmt: skip
+    crafted = torch.cat([head, G.kquants.pack_scales_k4(_SC, _M)[0], _rand_bytes(g, 1, 128)[0]])
+    real = G.quantize(weights(g, (1, 256), outliers=True), "Q4_K").data[0]
+    return torch.stack([crafted, real])
+
+
+def _q4k_cases(g: torch.Generator):
+    cases = [(_q4k_edges(g),)]
+    w = weights(g, (randint(g, 1, 3), 256 * randint(g, 1, 2)))
+    cases.append((G.quantize(w, "Q4_K").data.reshape(-1, 144),))
+    cases.append((_rand_bytes(g, randint(g, 2, 6), 144),))  # every bit pattern
+    return cases
+
+
+def _q4k_reference(blocks: torch.Tensor):
+    f = G.from_bytes("Q4_K", (blocks.shape[0], 256), blocks).fields
+    scales = f["d"].float()[:, None] * f["sc"].float()
+    mins = f["dmin"].float()[:, None] * f["m"].float()
+    return scales, mins
+
+
+register(
+    Task(
+        grade_id="q4_k_scales",
+        func_name="q4k_scales",
+        points=3,
+        assignment=ASSIGNMENT,
+        cases=_q4k_cases,
+        reference=_q4k_reference,
+        compare=exact(names=("scales", "mins")),
+        signature="q4k_scales(blocks uint8 (n, 144)) -> (scales float32 (n, 8), mins (n, 8))",
+    )
+)
+
+
+# --------------------------------------------------------------------------- Q8_0 quantize
+
+
+def _reciprocal_trap(g: torch.Generator) -> torch.Tensor:
+    """A block with d = amax / 127 exact and one x with x / d == k + 0.5 exactly, but
+    x * fp32(1 / d) just below it: roundf gives k + 1 dividing, k multiplying (the spec)."""
+    d = (1 + torch.arange(1024) / 1024).to(torch.float16).float() * 2.0 ** randint(g, -8, -4)
+    hit = torch.empty(0, dtype=torch.long)
+    while hit.numel() == 0:
+        k = randint(g, 1, 120)
+        x = (k + 0.5) * d  # exact (<= 7 + 11 significant bits), as is 127 * d
+        hit = (round_half_away(x * (1.0 / d)) != round_half_away(x / d)).nonzero().flatten()
+    i = int(hit[randint(g, 0, hit.numel() - 1)])
+    block = weights(g, (32,), scale=float(d[i]) * 20).clamp(-126 * d[i], 126 * d[i])
+    block[0], block[5] = 127 * d[i], x[i]
+    return block
+
+
+def _fp16_trap(g: torch.Generator) -> torch.Tensor:
+    """A block whose codes differ when computed from the fp16-rounded d instead of the fp32
+    d (x just past a half-step on one scale, before it on the other)."""
+    for _ in range(500):
+        amax = float(torch.empty(()).uniform_(0.5, 4.0, generator=g))
+        d32 = torch.tensor(amax) / 127
+        inv32 = 1.0 / d32
+        inv16 = 1.0 / d32.to(torch.float16).float()
+        k = randint(g, 3, 120)
+        x = torch.tensor((k + 0.5) / float(inv32 + inv16) * 2)  # between the two tie points
+        if round_half_away(x * inv32) != round_half_away(x * inv16):
+            block = weights(g, (32,), scale=amax / 4).clamp(-amax * 0.99, amax * 0.99)
+            block[0], block[9] = -amax, x
+            return block
+    raise RuntimeError("no fp16 trap found")
+
+
+def _q8_edges(g: torch.Generator) -> torch.Tensor:
+    """Row 0: ties k + 0.5 of both signs at d = 1; row 1: the absmax is negative; row 2:
+    the reciprocal trap; row 3: the fp16 trap; row 4: all zeros."""
+    ties = torch.arange(-15, 16, dtype=torch.float32)[:31] + 0.5
+    row0 = torch.cat([torch.tensor([127.0]), ties])
+    row1 = weights(g, (32,), scale=0.1)
+    row1[randint(g, 0, 31)] = -row1.abs().max() * 3
+    rows = [row0, row1, _reciprocal_trap(g), _fp16_trap(g), torch.zeros(32)]
+    return torch.stack(rows)
+
+
+def _q8_cases(g: torch.Generator):
+    cases = [(_q8_edges(g),)]
+    cases.append((weights(g, (randint(g, 1, 4), 32 * randint(g, 1, 4)), outliers=True),))
+    return cases
+
+
+def _q8_reference(x: torch.Tensor):
+    qt = qlab.quantize(x, "q8_0")
+    return qt.scales, qt.codes
+
+
+register(
+    Task(
+        grade_id="q8_0_quantize",
+        func_name="quantize_q8_0",
+        points=2,
+        assignment=ASSIGNMENT,
+        cases=_q8_cases,
+        reference=_q8_reference,
+        compare=exact(names=("d", "q")),
+        signature="quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))",
+    )
+)

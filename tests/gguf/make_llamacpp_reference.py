@@ -1,0 +1,120 @@
+"""Make tests/gguf/data/llamacpp_reference.npz: llama.cpp's own quantizer output on fixed
+inputs, the oracle for qlab's K-quant and importance-matrix encoders (gguf's Python package
+has numpy encoders for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 only).
+
+A developer tool, not run by the tests (it needs a C compiler and a package download):
+
+    python tests/gguf/make_llamacpp_reference.py [--sdist llama_cpp_python-X.tar.gz]
+
+It takes ggml/src/ggml-quants.c from the llama-cpp-python source distribution on PyPI
+(llama.cpp vendored), compiles it as a release build (-O2 -DNDEBUG) with -ffp-contract=off
+(strict IEEE float: no fused multiply-add, the arithmetic qlab reproduces) plus a
+four-function stub written here, and
+calls quantize_q4_0 ... quantize_q6_K through ctypes, with and without an imatrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).parent / "data" / "llamacpp_reference.npz"
+SDIST = "llama-cpp-python==0.3.36"
+# name: (ggml type id, block, bytes per block)
+TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+         "Q8_0": (8, 32, 34), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
+         "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # fmt: skip
+STUB = r"""
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+/* the only ggml symbols ggml-quants.c needs from the rest of ggml, for the types above */
+void ggml_abort(const char *file, int line, const char *fmt, ...) { abort(); }
+const char *ggml_type_name(int t) { return "?"; }
+static size_t ts(int t) { switch (t) { case 2: return 18; case 3: return 20; case 6: return 22;
+  case 7: return 24; case 8: return 34; case 11: return 110; case 12: return 144;
+  case 13: return 176; case 14: return 210; } abort(); }
+static int64_t bs(int t) { return t >= 10 ? 256 : 32; }
+size_t ggml_type_size(int t) { return ts(t); }
+size_t ggml_row_size(int t, int64_t ne) { return ts(t) * ne / bs(t); }
+"""
+
+
+def inputs(seed: int = 20260515) -> tuple[np.ndarray, np.ndarray]:
+    """12 rows of 512: typical weights and the edge cases each format has a rule for."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((12, 512)) * 0.02).astype(np.float32)
+    x[1] = rng.standard_normal(512)  # unit scale
+    x[2] = rng.standard_normal(512) * np.exp(rng.standard_normal(512))  # heavy tails
+    x[3, :256] = 0.0  # an all-zero super-block (and 8 all-zero blocks of 32)
+    x[4, :256], x[4, 256:] = 0.3, -0.7  # constant blocks, both signs
+    x[5] *= 0.5
+    x[5, 7], x[5, 300] = 3.0, -5.0  # one outlier per block
+    x[6] = rng.random(512)  # one-sided (post-ReLU-like)
+    x[7] = rng.integers(-16, 17, 512) * 0.0625  # exact ties on many grids
+    x[8] *= 1e-4  # tiny: subnormal fp16 scales
+    x[9] = rng.standard_normal(512) * 3e6  # fp16 overflow of Q8_0's scale (amax / 127)
+    x[10] = np.where(rng.random(512) < 0.05, rng.standard_normal(512), 0.0)  # sparse
+    x[11, 32:64] = 0.0  # one all-zero sub-block inside a super-block
+    imatrix = (rng.random(512) ** 3 * 10).astype(np.float32)  # a few columns matter a lot
+    return x.astype(np.float32), imatrix
+
+
+def build(sdist: Path, work: Path) -> ctypes.CDLL:
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/ggml/" in m.name]
+        tar.extractall(work, members=members, filter="data")
+    ggml = next(work.glob("*/vendor/llama.cpp/ggml"))
+    (work / "stub.c").write_text(STUB)
+    lib = work / "libggml_quants.so"
+    subprocess.run(
+        ["gcc", "-O2", "-DNDEBUG", "-ffp-contract=off", "-fPIC", "-shared",
+         str(ggml / "src/ggml-quants.c"), str(work / "stub.c"), f"-I{ggml / 'include'}",
+         f"-I{ggml / 'src'}", f"-I{ggml / 'src/ggml-cpu'}", "-lm", "-o", str(lib)],
+        check=True,
+    )  # fmt: skip
+    return ctypes.CDLL(str(lib))
+
+
+def run(lib: ctypes.CDLL, x: np.ndarray, name: str, imatrix: np.ndarray | None) -> np.ndarray:
+    _, block, size = TYPES[name]
+    rows, k = x.shape
+    out = np.zeros((rows, k // block * size), dtype=np.uint8)
+    fn = getattr(lib, "quantize_q" + name[1:])
+    fn.restype = ctypes.c_size_t
+    im = None if imatrix is None else imatrix.ctypes.data_as(ctypes.c_void_p)
+    fn(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+       ctypes.c_int64(rows), ctypes.c_int64(k), im)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sdist", type=Path, help="a llama_cpp_python-*.tar.gz already downloaded")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        sdist = args.sdist
+        if sdist is None:
+            subprocess.run([sys.executable, "-m", "pip", "download", SDIST, "--no-deps",
+                            "--no-binary", ":all:", "-d", str(work)], check=True)  # fmt: skip
+            sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
+        lib = build(sdist, work)
+        x, imatrix = inputs()
+        arrays = {"x": x, "imatrix": imatrix, "source": np.array(sdist.name)}
+        for name in TYPES:
+            arrays[name] = run(lib, x, name, None)
+            arrays[name + "_imatrix"] = run(lib, x, name, imatrix)
+    np.savez_compressed(OUT, **arrays)
+    print(f"wrote {OUT} ({OUT.stat().st_size} bytes) from {arrays['source']}")
+
+
+if __name__ == "__main__":
+    main()
