@@ -7,10 +7,11 @@
                              Triton installs (Linux; there are no macOS/Windows wheels).
 
 `@triton.jit` reads TRITON_INTERPRET when it decorates a function, so this module
-must be imported before the kernel modules; qlab/kernels/__init__.py imports it first.
+must be imported before the kernel modules; kernels/__init__.py (qlab.kernels) imports it first.
 An explicit TRITON_INTERPRET is respected: =1 on a GPU machine interprets (handy for
 debugging with print); =0 on a machine without a GPU gives real @triton.jit kernels
-that can be compiled ahead of time (tests/kernels/test_aot.py) but not launched.
+that can be compiled ahead of time (qlab.kernels.compile_for, kernels/aot.py, which the
+tests in tests/kernels/test_kernel_aot.py use) but not launched.
 """
 
 from __future__ import annotations
@@ -111,14 +112,21 @@ def check_linear_weight(weight) -> None:
         )
 
 
-def check_activation(x, K: int) -> None:
-    """Activations for a linear kernel: a contiguous fp16/bf16 tensor (..., K)."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16):
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def check_activation(x, K: int | None = None, dtypes=SIXTEEN_BIT, two_d: bool = False) -> None:
+    """Activations for a kernel: a contiguous tensor of one of `dtypes`, last dimension K
+    (when given), exactly 2-D (M, K) when two_d. Every wrapper checks its x through this."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        hint = "; cast with x.half() or x.bfloat16()" if dtypes == SIXTEEN_BIT else ""
         raise TypeError(
-            f"x must be a float16 or bfloat16 tensor (16-bit activations), got "
-            f"{getattr(x, 'dtype', type(x).__name__)}; cast with x.half() or x.bfloat16()"
+            f"x must be a {names} tensor, got {getattr(x, 'dtype', type(x).__name__)}{hint}"
         )
-    if x.ndim == 0 or x.shape[-1] != K:
+    if two_d and x.ndim != 2:
+        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if K is not None and (x.ndim == 0 or x.shape[-1] != K):
         raise ValueError(
             f"x has shape {tuple(x.shape)} but the weight expects in_features K = {K} "
             "as the last dimension"

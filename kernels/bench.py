@@ -1,54 +1,53 @@
-"""Benchmark harness for the kernel labs: `python -m qlab.kernels.bench`.
+"""Benchmark harness for the kernel labs: `python -m qlab.kernels.bench [--quick]`.
 
-On a CUDA GPU it times, for every layer shape and every batch size M in the sweep,
+On a CUDA GPU, for every layer shape and batch size M, every candidate of
+kernels/baselines.py (our W4A16 and FP8 kernels; torch bf16, tinygemm, dequantize-then-
+bf16, torch._scaled_mm both accumulation modes, GEMM-only and end to end) is
 
-    torch_bf16       x @ W.T in bf16 (cuBLAS): the baseline
-    w4a16            qlab.kernels.w4a16_linear (int4 weights, group 128)
-    fp8              qlab.kernels.fp8_linear, end to end (activation quantization included)
-    fp8_gemm         the FP8 GEMM alone (activations already quantized)
-    torch_scaled_mm  torch._scaled_mm on the same fp8 operands and row/column scales
+  1. run once (compiling and autotuning) and CHECKED against qlab (kernels/tolerance.py);
+     a wrong output is recorded and never timed;
+  2. timed, median of many runs, with weights read from HBM, never from L2:
+     triton.testing.do_bench, which flushes the L2 cache before every run; and, where that
+     gives under CUDAGRAPH_BELOW_S (launch overhead would dominate), do_bench_cudagraph on
+     a CUDA graph that cycles through enough copies of the weights to overflow L2;
+  3. put beside the roofline model's expected time for the matched datasheet device
+     (kernels/roofline.py: a model, a lower bound), with the bound that applies and the
+     percent of it achieved; speedups over bf16 and over the matching baseline.
 
-with triton.testing.do_bench, which clears the L2 cache before every run (it writes a
-256 MB buffer), so weights come from HBM as they would in a real model. It reports
-time, TFLOP/s, effective GB/s (every byte read and written, see count_bytes), the
-percent of peak (bandwidth below the ridge point, tensor-core FLOP/s above it) and
-speedups; writes JSON (GPU name, driver, torch and triton versions) and two plots,
-a roofline and speedup versus M, under results/.
-
-Without a GPU the kernels run on Triton's CPU interpreter, whose timings say nothing
-about performance, so no time is measured: it runs a correctness pass against qlab
-and evaluates the roofline MODEL for a datasheet GPU (--device), labelled as such.
-
-Roofline: a kernel moving B bytes and doing F FLOPs takes at least
-max(F / peak_flops, B / bandwidth). Its arithmetic intensity F / B against the
-ridge point peak_flops / bandwidth says which bound applies.
+Results are rewritten to results/bench_<GPU>_<date>.json after every (shape, M), with
+the git commit (or a hash of kernels/), GPU clocks, versions and each launch's grid and
+config; two plots at the end (kernels/plots.py). Without a GPU the same loop runs every
+candidate the CPU can (the Triton interpreter) on small shapes, checked, NOT timed
+(interpreter timings measure numpy), and the roofline MODEL is written, labelled as such.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
+import hashlib
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import triton
 
 import qlab
-from qlab.kernels import _backend
-from qlab.kernels.dequant import dequantize_int4
-from qlab.kernels.fp8 import fp8_linear, fp8_scaled_mm, pack_fp8, quantize_act_fp8
-from qlab.kernels.w4a16 import pack_w4a16, w4a16_linear
+from qlab.kernels import _backend, baselines, configs, plots, roofline
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 GROUP_SIZE = 128  # W4A16 group size used throughout the benchmark
+CUDAGRAPH_BELOW_S = 50e-6  # below this, time a CUDA graph (launch overhead would dominate)
+MAX_WEIGHT_COPIES = 64
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-M_QUICK = (1, 16, 128, 1024, 4096)
+M_QUICK = (1, 16, 64, 256, 4096)
+M_CPU = (1, 5, 130)  # decode, small and large buckets, on the interpreter
 
 # (label, N = out_features, K = in_features): nn.Linear shapes of real models, from each
 # model's config.json (hidden_size, intermediate_size, num_key_value_heads * head_dim).
@@ -65,147 +64,83 @@ SHAPES: tuple[tuple[str, int, int], ...] = (
     ("Llama-2-70B gate/up", 28672, 8192),
     ("Llama-2-70B down", 8192, 28672),
 )
-SHAPES_QUICK = (SHAPES[0], SHAPES[3], SHAPES[4])
-
-# Datasheet bandwidths and dense tensor-core peaks live in qlab.cost.DEVICES (one copy).
-PEAK_FLOPS = {name: d.peak_flops for name, d in qlab.cost.DEVICES.items()}
-# Which tensor-core peak bounds each kernel.
-KERNEL_PRECISION = {
-    "torch_bf16": "bf16",
-    "w4a16": "bf16",
-    "fp8": "fp8",
-    "fp8_gemm": "fp8",
-    "torch_scaled_mm": "fp8",
+SHAPES_QUICK = (SHAPES[2], SHAPES[10], SHAPES[6])  # 4096x4096, 8192x28672, 14336x4096
+SHAPES_CPU = (("tiny 96x256", 96, 256),)
+BASELINE_OF = {  # like-for-like comparisons: our kernel -> the baseline doing the same work
+    "w4a16": "tinygemm",
+    "fp8": "torch_fp8",
+    "fp8_fast": "torch_fp8_fast",
+    "fp8_gemm": "torch_scaled_mm",
+    "fp8_gemm_fast": "torch_scaled_mm_fast",
 }
+OURS = ("w4a16", "fp8", "fp8_fast", "fp8_gemm", "fp8_gemm_fast")
 
 
-# ----------------------------------------------------------------------------- counting
-def count_flops(m: int, n: int, k: int) -> int:
-    """2 M N K: one multiply and one add per (m, n, k)."""
-    return 2 * m * n * k
+# ----------------------------------------------------------------------------- environment
+def match_device(gpu_name: str | None) -> str | None:
+    """torch.cuda.get_device_name() -> a qlab.cost.DEVICES key, or None (no guess: an
+    "H100 NVL", "H100 PCIe", "H200 NVL" or "GH200" has other bandwidth or clocks)."""
+    name = (gpu_name or "").upper()
+    if "GH200" in name:  # 96 GB HBM3 at 4 TB/s, or 144 GB HBM3e at 4.9 TB/s
+        key = "GH200 144GB" if "144G" in name else "GH200"
+    elif "NVL" in name:
+        key = "H200 NVL" if "H200" in name else "H100 NVL" if "H100" in name else None
+    elif "H200" in name:
+        key = "H200"
+    elif "H100" in name:
+        key = None if "PCIE" in name else "H100 SXM"
+    elif "A100" in name:
+        key = "A100 80GB" if "80GB" in name else None
+    elif "B200" in name:
+        key = "B200"
+    elif "4090" in name:
+        key = "RTX 4090"
+    elif "L40S" in name:
+        key = "L40S"
+    elif name.split()[-1:] == ["L4"]:
+        key = "L4"
+    else:
+        key = None
+    return key if key in qlab.cost.DEVICES else None
 
 
-def count_bytes(kernel: str, m: int, n: int, k: int, group_size: int = GROUP_SIZE) -> int:
-    """Every byte the kernel(s) read and write once (a lower bound on real traffic).
-
-    bf16 activations and outputs are 2 bytes; packed int4 is K/2 bytes per row plus an
-    fp16 scale per group; fp8 is 1 byte plus an fp32 scale per row or column.
-    """
-    x16, out16 = 2 * m * k, 2 * m * n
-    if kernel == "torch_bf16":
-        return x16 + 2 * n * k + out16
-    if kernel == "w4a16":
-        return x16 + n * k // 2 + 2 * n * (k // group_size) + out16
-    gemm = m * k + n * k + 4 * (m + n) + out16  # fp8 x, fp8 W, scales, output
-    if kernel in ("fp8_gemm", "torch_scaled_mm"):
-        return gemm
-    if kernel == "fp8":
-        # + row scales: read x, write s_x; quantize: read x and s_x, write fp8 x
-        return gemm + (x16 + 4 * m) + (x16 + 4 * m + m * k)
-    raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNEL_PRECISION)}")
-
-
-def device_spec(name: str) -> dict:
-    """Datasheet peaks of a GPU called `name` (a qlab.cost.DEVICES key)."""
-    if name not in PEAK_FLOPS:
-        raise KeyError(f"no peak figures for {name!r}; known: {', '.join(PEAK_FLOPS)}")
-    return {
-        "name": name,
-        "bandwidth_bytes_per_s": qlab.cost.DEVICES[name].bandwidth_bytes_per_s,
-        "peak_flops": dict(PEAK_FLOPS[name]),
-    }
+def source_version() -> dict:
+    """The git commit (QLAB_GIT_COMMIT when there is no .git) and a hash of kernels/."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    commit = os.environ.get("QLAB_GIT_COMMIT")
+    try:
+        git = ["git", "-C", str(root.parent)]
+        commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()  # fmt: skip
+        status = git + ["status", "--porcelain", "--", "kernels"]
+        dirty = subprocess.run(status, capture_output=True, text=True, timeout=10).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"git_commit": commit, "kernels_sha256": digest.hexdigest()[:16]}
 
 
-def match_device(gpu_name: str) -> str | None:
-    """Map torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3") to a table key."""
-    name = gpu_name.upper()
-    if "H200" in name:
-        return "H200"
-    if "H100" in name and "PCIE" not in name:
-        return "H100 SXM"
-    if "A100" in name and "80GB" in name:
-        return "A100 80GB"
-    if "B200" in name:
-        return "B200"
-    if "4090" in name:
-        return "RTX 4090"
-    return None
+CLOCK_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.draw",
+                "power.limit", "temperature.gpu", "pstate")  # fmt: skip
 
 
-def roofline_seconds(kernel: str, m: int, n: int, k: int, spec: dict) -> float:
-    """Lower bound on the time: max(FLOPs / peak FLOP/s, bytes / bandwidth)."""
-    peak = spec["peak_flops"][KERNEL_PRECISION[kernel]]
-    compute = count_flops(m, n, k) / peak if peak else math.inf
-    memory = count_bytes(kernel, m, n, k) / spec["bandwidth_bytes_per_s"]
-    return max(compute, memory)
-
-
-def ridge_intensity(spec: dict, precision: str = "bf16") -> float:
-    """FLOPs per byte at which a kernel turns from bandwidth- to compute-bound."""
-    return spec["peak_flops"][precision] / spec["bandwidth_bytes_per_s"]
-
-
-def roofline_model(
-    device: str = "H100 SXM",
-    shapes=SHAPES,
-    ms=M_SWEEP,
-    kernels=("torch_bf16", "w4a16", "fp8"),
-) -> dict:
-    """The roofline model over shapes x M: times, intensities and speedups vs bf16."""
-    spec = device_spec(device)
-    rows = []
-    for label, n, k in shapes:
-        for m in ms:
-            base = roofline_seconds("torch_bf16", m, n, k, spec)
-            for kernel in kernels:
-                if spec["peak_flops"][KERNEL_PRECISION[kernel]] is None:
-                    continue  # e.g. no fp8 tensor cores on an A100
-                t = roofline_seconds(kernel, m, n, k, spec)
-                flops, nbytes = count_flops(m, n, k), count_bytes(kernel, m, n, k)
-                rows.append(
-                    {
-                        "shape": label, "N": n, "K": k, "M": m, "kernel": kernel,
-                        "time_s": t, "tflops": flops / t / 1e12, "gbps": nbytes / t / 1e9,
-                        "intensity": flops / nbytes, "speedup_vs_bf16": base / t,
-                    }
-                )  # fmt: skip
-    return {
-        "kind": "roofline model (not measured)",
-        "device": spec,
-        "group_size": GROUP_SIZE,
-        "rows": rows,
-    }
-
-
-def stops_paying_m(rows: list[dict], shape: str, kernel: str, gain: float = 1.1) -> int | None:
-    """Smallest M at which `kernel` is less than `gain` x faster than bf16 (None: never)."""
-    for row in sorted(rows, key=lambda r: r["M"]):
-        if row["shape"] == shape and row["kernel"] == kernel and row["speedup_vs_bf16"] < gain:
-            return row["M"]
-    return None
-
-
-# ----------------------------------------------------------------------------- GPU runs
-@dataclass
-class Measurement:
-    shape: str
-    N: int
-    K: int
-    M: int
-    kernel: str
-    time_s: float
-    tflops: float
-    gbps: float
-    intensity: float
-    pct_peak: float | None  # of the bound that applies (bandwidth or FLOP/s)
-    bound: str  # "memory" | "compute" by the roofline
-    speedup_vs_bf16: float | None = None
-    speedup_vs_scaled_mm: float | None = None
-    max_rel_err: float | None = None
+def gpu_clocks(fields=CLOCK_FIELDS) -> dict | None:
+    """Current and max SM/memory clocks (MHz), power (W), temperature (C) from nvidia-smi."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.strip().splitlines()[0]  # fmt: skip
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    return dict(zip(fields, (v.strip() for v in out.split(",")), strict=False))
 
 
 def environment() -> dict:
-    """GPU name, driver, CUDA, torch and triton versions for the JSON header."""
+    """Date, versions, GPU, driver, SMs, L2 size, clocks, source version: the JSON header."""
     env = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -213,223 +148,166 @@ def environment() -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "gpu": None,
-        "driver": None,
+        **source_version(),
     }
     if _backend.HAS_CUDA:
-        env["gpu"] = torch.cuda.get_device_name()
-        env["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-        try:
-            smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=True,
-            )  # fmt: skip
-            env["driver"] = smi.stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            env["driver"] = "unknown (nvidia-smi unavailable)"
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(gpu=props.name, sms=props.multi_processor_count,
+                   compute_capability=f"{props.major}.{props.minor}",
+                   l2_bytes=getattr(props, "L2_cache_size", None), clocks=gpu_clocks())  # fmt: skip
+        env["driver"] = (gpu_clocks(("driver_version",)) or {}).get("driver_version")
     return env
 
 
-def _measure(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    """Median seconds of fn over rep_ms of runs; do_bench flushes L2 before each one."""
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") / 1e3
+# ----------------------------------------------------------------------------- timing
+def time_calls(calls: list, rep_ms: int) -> tuple[float, str]:
+    """Median seconds of calls[0](); below CUDAGRAPH_BELOW_S, a CUDA graph cycling calls
+    (one per weight copy, so the weights come from HBM) divided by len(calls)."""
+    t = triton.testing.do_bench(calls[0], warmup=10, rep=rep_ms, return_mode="median") / 1e3
+    if t >= CUDAGRAPH_BELOW_S:
+        return t, "do_bench (L2 flushed)"
+
+    def cycle():
+        for call in calls:
+            call()
+
+    t = triton.testing.do_bench_cudagraph(cycle, rep=rep_ms, return_mode="median") / 1e3
+    return t / len(calls), f"cudagraph, {len(calls)} weight copies (L2 cold)"
 
 
-def _candidates(x, w_bf16, packed4, packed8, q_x, s_x) -> dict:
-    fns = {
-        "torch_bf16": lambda: torch.nn.functional.linear(x, w_bf16),
-        "w4a16": lambda: w4a16_linear(x, packed4),
-    }
-    if packed8 is not None:
-        fns["fp8"] = lambda: fp8_linear(x, packed8)
-        fns["fp8_gemm"] = lambda: fp8_scaled_mm(q_x, s_x, packed8, torch.bfloat16)
-        b = packed8.codes.T  # (K, N) column-major, the layout _scaled_mm wants
-        sa, sb = s_x[:, None], packed8.scales[None, :]
-        fns["torch_scaled_mm"] = lambda: torch._scaled_mm(
-            q_x, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
-        )
-    return fns
+def weight_copies(weight_bytes: int, l2_bytes: int | None) -> int:
+    """Copies of a weight whose rotation overflows L2 three times over."""
+    if not l2_bytes:
+        return 1
+    return max(1, min(MAX_WEIGHT_COPIES, math.ceil(3 * l2_bytes / weight_bytes)))
 
 
-def run_gpu(shapes=SHAPES, ms=M_SWEEP, rep_ms: int = 100) -> dict:
-    """Time every kernel on every shape and M (needs CUDA). Returns the JSON document."""
-    from tqdm.auto import tqdm
+def _clone(w: baselines.Weights) -> baselines.Weights:
+    """Same values at new addresses (the references are shared)."""
+    same = lambda t: None if t is None else t.clone()  # noqa: E731
+    w8 = w.w8 and w.w8._replace(codes=w.w8.codes.clone(), scales=w.w8.scales.clone())
+    tiny = w.tinygemm and tuple(t.clone() for t in w.tinygemm)
+    w4 = w.w4._replace(packed=w.w4.packed.clone(), scales=w.w4.scales.clone())
+    return baselines.Weights(same(w.bf16), w4, w.w4_hat, tiny, w8, w.w8_hat)
 
+
+# ----------------------------------------------------------------------------- one case
+def measure(cand, ref, copies: list, timed: bool, rep_ms: int, l2: int | None) -> dict:
+    """Run, check and (timed) time one candidate on ref.x; the row's measurement fields."""
+    x, w = ref.x, copies[0]
+    try:
+        args = cand.setup(x, w)
+        if timed:
+            cand.fn(*args)  # compile and autotune first: record one plain call below
+        with configs.recording() as launched:
+            y = cand.fn(*args)
+        problem = cand.check(y, ref)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError) as err:
+        return {"skipped": f"{type(err).__name__}: {err}"[:300]}
+    row = {"launches": [lc.describe() for lc in launched]}
+    if problem:
+        return {**row, "error": problem}
+    if timed:
+        n = weight_copies(cand.weight_bytes(w), l2)
+        while len(copies) < n:
+            copies.append(_clone(w))
+        calls = [functools.partial(cand.fn, *cand.setup(x, c)) for c in copies[:n]]
+        row["time_s"], row["timing"] = time_calls(calls, rep_ms)
+    return row
+
+
+def _base(kernel: str) -> str:
+    return kernel.removesuffix("_fast")
+
+
+def finish_rows(rows: list[dict], spec) -> None:
+    """Add model, bound and speedup columns to the rows of one (shape, M)."""
+    times = {r["kernel"]: r.get("time_s") for r in rows}
+    for r in rows:
+        t = r.get("time_s")
+        m, n, k = r["M"], r["N"], r["K"]
+        r["intensity"] = roofline.flops(m, n, k) / roofline.bytes_moved(_base(r["kernel"]), m, n, k)
+        if spec is not None:
+            b = roofline.bound(_base(r["kernel"]), m, n, k, spec, seconds=t)
+            r.update(expected_s=b.seconds, bound=b.kind, pct_of_bound=b.percent)
+        if not t:
+            continue
+        r["tflops"] = roofline.flops(m, n, k) / t / 1e12
+        r["gbps"] = roofline.bytes_moved(_base(r["kernel"]), m, n, k) / t / 1e9
+        if times.get("torch_bf16"):
+            r["speedup_vs_bf16"] = times["torch_bf16"] / t
+        base = BASELINE_OF.get(r["kernel"])
+        if base and times.get(base):
+            r["baseline"], r["speedup_vs_baseline"] = base, times[base] / t
+
+
+def run(shapes, ms, out_path: Path | None, timed: bool, rep_ms: int = 50) -> dict:
+    """The sweep: every candidate on every shape and M; the doc is rewritten to out_path
+    after every (shape, M), so an interrupted run keeps what it measured."""
+    device = _backend.DEVICE
     env = environment()
-    table_name = match_device(env["gpu"])
-    spec = device_spec(table_name) if table_name else None
-    fp8_ok = torch.cuda.get_device_capability() >= (8, 9)
-    rows: list[Measurement] = []
-    skipped: dict[str, str] = {}
-    progress = tqdm(total=len(shapes) * len(ms), desc="bench", unit="case")
+    table = match_device(env["gpu"]) if timed else None
+    spec = qlab.cost.DEVICES[table] if table else None
+    native = _backend.HAS_CUDA and not _backend.INTERPRET
+    fp8_ok = not native or torch.cuda.get_device_capability() >= (8, 9)
+    doc = {
+        "kind": "measured" if timed else "correctness (CPU interpreter; not timed)",
+        "environment": env,
+        "device": _device_dict(spec) if spec else None,
+        "group_size": GROUP_SIZE,
+        "timing": f"median; do_bench with L2 flush, CUDA graph with L2-cold weight copies "
+                  f"below {CUDAGRAPH_BELOW_S * 1e6:.0f} us",
+        "rows": [],
+        "clocks_per_shape": [],
+    }  # fmt: skip
     for label, n, k in shapes:
         torch.manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        packed4 = pack_w4a16(w, GROUP_SIZE)
-        packed8 = pack_fp8(w, "channel") if fp8_ok else None
-        w4_hat = dequantize_int4(packed4.packed, packed4.scales, GROUP_SIZE)  # on the GPU
+        weight = (torch.randn(n, k) * 0.02).to(device, torch.bfloat16)
+        copies = [baselines.prepare(weight, GROUP_SIZE, fp8_ok)]
+        doc["clocks_per_shape"].append({"shape": label, "clocks": gpu_clocks() if timed else None})
         for m in ms:
-            progress.set_postfix_str(f"{label} M={m}")
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            q_x, s_x = quantize_act_fp8(x) if fp8_ok else (None, None)
-            fns = _candidates(x, w, packed4, packed8, q_x, s_x)
-            times = {}
-            for name, fn in fns.items():
-                try:
-                    times[name] = _measure(fn, rep_ms=rep_ms)
-                except (RuntimeError, TypeError, ValueError) as err:  # e.g. no rowwise _scaled_mm
-                    skipped.setdefault(name, f"{type(err).__name__}: {err}"[:300])
-            # A loose sanity check of the kernels' answers (the tests hold the tight ones).
-            ref = x.float() @ w4_hat.T
-            err4 = float((w4a16_linear(x, packed4).float() - ref).norm() / ref.norm())
-            for name, t in times.items():
-                flops, nbytes = count_flops(m, n, k), count_bytes(name, m, n, k)
-                bound, pct = "memory", None
-                if spec is not None:
-                    peak = spec["peak_flops"][KERNEL_PRECISION[name]]
-                    if peak and flops / nbytes > peak / spec["bandwidth_bytes_per_s"]:
-                        bound, pct = "compute", 100 * flops / t / peak
-                    else:
-                        pct = 100 * nbytes / t / spec["bandwidth_bytes_per_s"]
-                rows.append(
-                    Measurement(
-                        shape=label, N=n, K=k, M=m, kernel=name, time_s=t,
-                        tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
-                        intensity=flops / nbytes, pct_peak=pct, bound=bound,
-                        speedup_vs_bf16=times["torch_bf16"] / t if "torch_bf16" in times else None,
-                        speedup_vs_scaled_mm=(
-                            times["torch_scaled_mm"] / t
-                            if name.startswith("fp8") and "torch_scaled_mm" in times
-                            else None
-                        ),
-                        max_rel_err=err4 if name == "w4a16" else None,
-                    )
-                )  # fmt: skip
-            progress.update(1)
-    progress.close()
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            ref = baselines.Reference(x, copies[0])
+            rows = []
+            for cand in baselines.candidates(fp8_ok):
+                row = {"shape": label, "N": n, "K": k, "M": m, "kernel": cand.name}
+                row.update(measure(cand, ref, copies, timed, rep_ms, env.get("l2_bytes")))
+                rows.append(row)
+            finish_rows(rows, spec)
+            doc["rows"] += rows
+            if out_path is not None:
+                _write(doc, out_path)
+        del copies, ref
+    return doc
+
+
+def _device_dict(spec) -> dict:
+    return {"name": spec.name, "bandwidth_bytes_per_s": spec.bandwidth_bytes_per_s,
+            "peak_flops": dict(spec.peak_flops)}  # fmt: skip
+
+
+def _write(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    tmp.replace(path)  # atomic: a reader never sees half a file
+
+
+# ----------------------------------------------------------------------------- reading
+def failures(doc: dict) -> list[dict]:
+    """Rows of OUR kernels that failed their check or could not run."""
+    return [r for r in doc["rows"] if r["kernel"] in OURS and ("error" in r or "skipped" in r)]
+
+
+def model_doc(device_name: str, shapes=SHAPES, ms=M_SWEEP) -> dict:
+    """The roofline model as a results document (plots.py draws it like a measured one)."""
+    spec = roofline.device(device_name)
     return {
-        "kind": "measured",
-        "environment": env,
-        "device": spec,
+        "kind": "roofline model (not measured)",
+        "device": _device_dict(spec),
         "group_size": GROUP_SIZE,
-        "timing": "triton.testing.do_bench, median, L2 flushed before each run",
-        "skipped": skipped,
-        "rows": [asdict(r) for r in rows],
+        "rows": roofline.model_rows(spec, shapes, ms),
     }
-
-
-# ----------------------------------------------------------------------------- CPU runs
-def correctness_pass() -> list[dict]:
-    """Small shapes through the kernels (interpreter on a CPU) against qlab."""
-    from qlab.pipelines import w4a16_reference, w8a8_reference
-
-    dev = _backend.DEVICE
-    torch.manual_seed(0)
-    checks = []
-    w = torch.randn(96, 256) * 0.05
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
-    qt = qlab.quantize(w, "int4", GROUP_SIZE)
-    got = dequantize_int4(qlab.pack_int4(qt.codes).to(dev), qt.scales.to(dev), GROUP_SIZE)
-    checks.append(
-        {"kernel": "dequant", "bit_exact": bool(torch.equal(got.cpu(), qlab.dequantize(qt)))}
-    )
-    for m in (1, 5):
-        ref = w4a16_reference(x[:m], w, GROUP_SIZE)
-        y = w4a16_linear(x[:m].to(dev), pack_w4a16(w.to(dev), GROUP_SIZE)).float().cpu()
-        rel = float((y - ref).norm() / ref.norm())
-        checks.append({"kernel": f"w4a16 M={m}", "rel_err": rel, "ok": rel < 2.0**-7})
-    ref = w8a8_reference(x, w)
-    y = fp8_linear(x.to(dev), pack_fp8(w.to(dev))).float().cpu()
-    rel = float((y - ref).norm() / ref.norm())
-    checks.append({"kernel": "fp8 M=5", "rel_err": rel, "ok": rel < 2.0**-7})
-    return checks
-
-
-# ----------------------------------------------------------------------------- plots
-def plot_roofline(doc: dict, path: Path | None = None, m_marks=(1, 16, 128, 1024, 4096)):
-    """Roofline: attainable TFLOP/s against FLOPs per byte, with the kernels' points."""
-    from matplotlib.figure import Figure
-
-    spec = doc["device"]
-    bw = spec["bandwidth_bytes_per_s"]
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
-    xs = [2.0**e for e in range(-2, 14)]
-    for precision, style in (("bf16", "-"), ("fp8", "--")):
-        peak = spec["peak_flops"].get(precision)
-        if peak:
-            ax.plot(xs, [min(peak, bw * i) / 1e12 for i in xs], "k" + style, lw=1,
-                    label=f"{precision} roof")  # fmt: skip
-    shape = doc["rows"][0]["shape"] if doc["rows"] else None
-    for kernel, color in (("torch_bf16", "C0"), ("w4a16", "C1"), ("fp8", "C2")):
-        pts = [r for r in doc["rows"] if r["shape"] == shape and r["kernel"] == kernel]
-        pts = [r for r in pts if r["M"] in m_marks]
-        if pts:
-            ax.plot([r["intensity"] for r in pts], [r["tflops"] for r in pts], "o-", color=color,
-                    label=kernel)  # fmt: skip
-            for r in pts if kernel == "w4a16" else ():  # label one series: less clutter
-                ax.annotate(f"M={r['M']}", (r["intensity"], r["tflops"]), fontsize=7,
-                            textcoords="offset points", xytext=(4, -10))  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)")
-    ax.set_ylabel("TFLOP/s")
-    measured = doc["kind"] == "measured"
-    where = doc.get("environment", {}).get("gpu") if measured else spec["name"]
-    ax.set_title(f"{'Measured' if measured else 'MODEL, not measured'}: {shape} on {where}")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
-
-
-def plot_speedup(doc: dict, path: Path | None = None):
-    """Speedup over torch bf16 against batch size M, one line per shape and kernel."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
-    shapes = sorted({r["shape"] for r in doc["rows"]})
-    for i, shape in enumerate(shapes):
-        for kernel, style in (("w4a16", "o-"), ("fp8", "s--")):
-            pts = sorted(
-                (r for r in doc["rows"] if r["shape"] == shape and r["kernel"] == kernel),
-                key=lambda r: r["M"],
-            )
-            if pts and pts[0].get("speedup_vs_bf16") is not None:
-                ax.plot([r["M"] for r in pts], [r["speedup_vs_bf16"] for r in pts], style,
-                        color=f"C{i % 10}", ms=3, label=f"{kernel} {shape}")  # fmt: skip
-    ax.axhline(1.0, color="k", lw=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size M (tokens)")
-    ax.set_ylabel("speedup over torch bf16")
-    measured = doc["kind"] == "measured"
-    where = doc.get("environment", {}).get("gpu") if measured else doc["device"]["name"]
-    ax.set_title(f"{'Measured' if measured else 'MODEL, not measured'} on {where}")
-    ax.legend(fontsize=6, ncol=2)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
-
-
-# ----------------------------------------------------------------------------- results
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in text).strip("-")
-
-
-def save(doc: dict, out_dir: Path, stem: str, plots: bool = True) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{stem}.json"]
-    paths[0].write_text(json.dumps(doc, indent=1) + "\n")
-    if plots:
-        paths.append(out_dir / f"{stem}_roofline.png")
-        plot_roofline(doc, paths[-1])
-        paths.append(out_dir / f"{stem}_speedup.png")
-        plot_speedup(doc, paths[-1])
-    return paths
 
 
 def latest_measured(results_dir: Path = RESULTS_DIR) -> dict | None:
@@ -442,62 +320,92 @@ def latest_measured(results_dir: Path = RESULTS_DIR) -> dict | None:
     return max(docs, key=lambda d: d[0])[1] if docs else None
 
 
-def summary_lines(doc: dict) -> list[str]:
-    """A few lines of plain text: the table a reader looks at first."""
-    lines = []
-    label = "MEASURED" if doc["kind"] == "measured" else "ROOFLINE MODEL (not measured)"
-    lines.append(f"{label}, device: {doc['device']['name'] if doc['device'] else '?'}")
-    lines.append(f"{'shape':<22}{'M':>6} {'kernel':<16}{'time us':>10}{'TFLOP/s':>9}"
-                 f"{'GB/s':>8}{'x bf16':>8}")  # fmt: skip
+def summary_lines(doc: dict, kernels=None) -> list[str]:
+    """The table a reader looks at first: time, model, % of bound, speedups."""
+    label = "MEASURED" if doc["kind"] == "measured" else doc["kind"].upper()
+    lines = [f"{label}, device: {doc['device']['name'] if doc['device'] else '?'}",
+             f"{'shape':<20}{'M':>5} {'kernel':<21}{'time us':>9}{'model us':>9}{'% bound':>8}"
+             f"{'x bf16':>7}{'x base':>7}"]  # fmt: skip
     for r in doc["rows"]:
-        sp = r.get("speedup_vs_bf16")
-        lines.append(
-            f"{r['shape']:<22}{r['M']:>6} {r['kernel']:<16}{r['time_s'] * 1e6:>10.1f}"
-            f"{r['tflops']:>9.1f}{r['gbps']:>8.0f}{(f'{sp:.2f}' if sp else '-'):>8}"
-        )
+        if kernels and r["kernel"] not in kernels:
+            continue
+        t = r.get("time_s")
+        status = "FAILED" if "error" in r else "skipped" if "skipped" in r else "checked"
+        cells = [f"{t * 1e6:.1f}" if t else status, _fmt(r, "expected_s", "{:.1f}", 1e6),
+                 _fmt(r, "pct_of_bound", "{:.0f}"), _fmt(r, "speedup_vs_bf16", "{:.2f}"),
+                 _fmt(r, "speedup_vs_baseline", "{:.2f}")]  # fmt: skip
+        lines.append(f"{r['shape']:<20}{r['M']:>5} {r['kernel']:<21}{cells[0]:>9}{cells[1]:>9}"
+                     f"{cells[2]:>8}{cells[3]:>7}{cells[4]:>7}")  # fmt: skip
     return lines
+
+
+def _native() -> bool:
+    """Kernels run natively on a GPU (else: the interpreter; checked, not timed)."""
+    return _backend.HAS_CUDA and not _backend.INTERPRET
+
+
+def _fmt(row: dict, key: str, spec: str, scale: float = 1.0) -> str:
+    return spec.format(row[key] * scale) if row.get(key) else "-"
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-")
+
+
+def save_plots(doc: dict, out_dir: Path, stem: str) -> list[Path]:
+    paths = [out_dir / f"{stem}_roofline.png", out_dir / f"{stem}_speedup.png"]
+    plots.plot_roofline(doc, paths[0])
+    plots.plot_speedup(doc, paths[1])
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m qlab.kernels.bench",
-        description=__doc__,
+        prog="python -m qlab.kernels.bench", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--quick", action="store_true", help="3 shapes, M in 1,16,128,1024,4096")
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{len(SHAPES_QUICK)} shapes, M in {M_QUICK}")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
-    parser.add_argument("--device", default="H100 SXM", choices=sorted(PEAK_FLOPS),
+    parser.add_argument("--device", default="H100 SXM", choices=sorted(qlab.cost.DEVICES),
                         help="datasheet GPU for the roofline model without a GPU")  # fmt: skip
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench time per case")
+    parser.add_argument("--rep-ms", type=int, default=50, help="timing budget per case")
     args = parser.parse_args(argv)
-    shapes = SHAPES_QUICK if args.quick else SHAPES
-    ms = M_QUICK if args.quick else M_SWEEP
 
-    if _backend.HAS_CUDA and not _backend.INTERPRET:
-        doc = run_gpu(shapes, ms, rep_ms=args.rep_ms)
-        stem = f"bench_{_slug(doc['environment']['gpu'])}_{doc['environment']['date_utc'][:10]}"
-        paths = save(doc, args.out, stem, plots=not args.no_plots and doc["device"] is not None)
+    if _native():
+        shapes, ms = (SHAPES_QUICK, M_QUICK) if args.quick else (SHAPES, M_SWEEP)
+        gpu = _slug(torch.cuda.get_device_name())
+        stem = f"bench_{gpu}_{_dt.date.today().isoformat()}"
+        doc = run(shapes, ms, args.out / f"{stem}.json", timed=True, rep_ms=args.rep_ms)
         print("\n".join(summary_lines(doc)))
+        paths = [args.out / f"{stem}.json"]
+        if not args.no_plots and doc["device"] is not None:
+            paths += save_plots(doc, args.out, stem)
     else:
-        print("No CUDA GPU: correctness pass on the Triton CPU interpreter, then the roofline")
-        print("MODEL. Interpreter timings are not performance, so none are reported.")
-        checks = correctness_pass()
-        for c in checks:
-            print("  ", c)
-        doc = roofline_model(args.device, shapes, ms)
-        doc["correctness"] = checks
+        print("No CUDA GPU: every candidate the CPU can run, on the Triton interpreter, checked")
+        print("against qlab but NOT timed (interpreter timings are not performance), then the")
+        print("roofline MODEL.")
+        doc = run(SHAPES_CPU, M_CPU, args.out / "correctness_cpu.json", timed=False)
+        print("\n".join(summary_lines(doc)))
+        model = model_doc(args.device, SHAPES_QUICK if args.quick else SHAPES, M_SWEEP)
         stem = f"roofline_model_{_slug(args.device)}"
-        paths = save(doc, args.out, stem, plots=not args.no_plots)
-        for label, *_ in shapes:
-            m_stop = stops_paying_m(doc["rows"], label, "w4a16")
+        _write(model, args.out / f"{stem}.json")
+        paths = [args.out / "correctness_cpu.json", args.out / f"{stem}.json"]
+        if not args.no_plots:
+            paths += save_plots(model, args.out, stem)
+        for label in dict.fromkeys(r["shape"] for r in model["rows"]):
+            m_stop = roofline.stops_paying_m(model["rows"], label, "w4a16")
             print(f"   model, {label}: W4A16 gains under 10% over bf16 from M = {m_stop}")
-        failed = [c for c in checks if not c.get("ok", c.get("bit_exact"))]
-        if failed:
-            print("CORRECTNESS FAILED:", failed, file=sys.stderr)
-            return 1
     for p in paths:
         print("wrote", p)
+    failed = failures(doc)
+    if failed:
+        print(f"FAILED: {len(failed)} checks of our kernels:", file=sys.stderr)
+        for r in failed:
+            print(f"  {r['shape']} M={r['M']} {r['kernel']}: {r.get('error', r.get('skipped'))}",
+                  file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

@@ -26,8 +26,11 @@ import triton
 import triton.language as tl
 
 from qlab.kernels._backend import check_device
+from qlab.kernels.configs import Launch
 
 __all__ = ["dequantize_int4"]
+
+TILE_R, TILE_K = 16, 128  # default output tile of one program (BLOCK_R x BLOCK_K)
 
 
 @triton.jit
@@ -35,7 +38,7 @@ def _dequant_int4_kernel(
     # pointers
     packed_ptr,  # uint8 (R, K // 2): qlab.pack_int4(codes)
     scales_ptr,  # fp16/fp32 (R, K // GROUP_SIZE)
-    out_ptr,  # fp32 (R, K)
+    out_ptr,  # fp32 (R, K), or fp16/bf16 (the rounding of the exact fp32 value)
     # sizes
     R,
     K,
@@ -66,7 +69,8 @@ def _dequant_int4_kernel(
         scales_ptr + rows[:, None] * stride_sr + cols[None, :] // GROUP_SIZE, mask=mask, other=0.0
     )
     w_hat = code.to(tl.float32) * scale.to(tl.float32)  # exact in fp32
-    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], w_hat, mask=mask)
+    out = w_hat.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out, mask=mask)
 
 
 def dequantize_int4(
@@ -74,14 +78,19 @@ def dequantize_int4(
     scales: torch.Tensor,
     group_size: int,
     *,
-    block_r: int = 16,
-    block_k: int = 128,
+    out_dtype: torch.dtype = torch.float32,
+    block_r: int = TILE_R,
+    block_k: int = TILE_K,
 ) -> torch.Tensor:
     """Unpack and scale int4 codes: float32 (..., K), bit-exact with qlab.dequantize.
 
     packed: uint8 (..., K // 2) from qlab.pack_int4(qt.codes) of qlab.quantize(w, "int4", g)
     scales: float16/float32 (..., K // group_size), i.e. qt.scales
+    out_dtype: float32 (exact), or float16/bfloat16 (the exact value rounded once; what
+    a dequantize-then-matmul pipeline feeds the 16-bit matmul)
     """
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise TypeError(
             f"packed must be a uint8 torch tensor from qlab.pack_int4, got "
@@ -115,14 +124,21 @@ def dequantize_int4(
     packed_2d = packed.reshape(-1, K // 2)  # shape: (R, K // 2)
     scales_2d = scales.reshape(-1, K // group_size)  # shape: (R, K // group_size)
     R = packed_2d.shape[0]
-    out = torch.empty((R, K), dtype=torch.float32, device=packed.device)
+    out = torch.empty((R, K), dtype=out_dtype, device=packed.device)
     if out.numel() == 0:
         return out.reshape(*packed.shape[:-1], K)
-    grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
-    _dequant_int4_kernel[grid](
-        packed_2d, scales_2d, out,
-        R, K,
-        packed_2d.stride(0), scales_2d.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, BLOCK_R=block_r, BLOCK_K=block_k,
-    )  # fmt: skip
+    plan(packed_2d, scales_2d, out, group_size, block_r, block_k)()
     return out.reshape(*packed.shape[:-1], K)
+
+
+def plan(packed_2d, scales_2d, out, group_size: int, block_r: int = TILE_R,
+         block_k: int = TILE_K) -> Launch:  # fmt: skip
+    """The launch dequantize_int4 makes (also what qlab.kernels.compile_for builds)."""
+    R, K = out.shape
+    return Launch(
+        kernel=_dequant_int4_kernel,
+        grid=(triton.cdiv(R, block_r), triton.cdiv(K, block_k)),
+        args=(packed_2d, scales_2d, out, R, K,
+              packed_2d.stride(0), scales_2d.stride(0), out.stride(0)),  # fmt: skip
+        meta=dict(GROUP_SIZE=group_size, BLOCK_R=block_r, BLOCK_K=block_k),
+    )

@@ -1,31 +1,41 @@
-"""W8A8 FP8 (E4M3): fp8 weights, activations quantized on the fly, fp8 tensor-core dot.
+"""W8A8 FP8 (E4M3): fp8 weights, activations quantized on the fly, FP8 tensor cores at every M.
 
-Both operands cross the bus in 8 bits and the tensor cores multiply fp8 directly
-(twice the bf16 rate on Hopper), so prefill and large batches gain in bandwidth AND
-arithmetic. Scales (qlab's absmax rule, s = amax / 448, a true fp32 division):
+Both operands cross the bus in 8 bits and Hopper's tensor cores multiply E4M3 directly
+(twice the bf16 rate), so prefill and large batches gain in bandwidth AND arithmetic.
+Scales (qlab's absmax rule, s = amax / 448, a true fp32 division):
 
     weight      s_w per output channel (N,) or per tensor: pack_fp8, via qlab.quantize
     activation  s_x per token (row of x, M values) or per tensor, computed at run time
 
 Pseudo-code:
 
-    # 1. activations, one program per row:  s_x[m] = max_k |x[m, k]| / 448
-    # 2. activations, one program per tile: q_x[m, k] = e4m3(x[m, k] / s_x[m])   (RNE, saturating)
-    # 3. GEMM, one program per BLOCK_M x BLOCK_N tile:
-    acc = zeros(BLOCK_M, BLOCK_N, fp32)
+    # 1. activations, ONE program per row, one pass (amax and quantize fused):
+    #        s_x[m] = max_k |x[m, k]| / 448 ;  q_x[m, k] = e4m3(x[m, k] / s_x[m])  (RNE, saturating)
+    # 2. GEMM over fp8 tiles, fp32 accumulator:
+    acc = zeros(fp32)
     for k0 in range(0, K, BLOCK_K):
-        acc = dot(q_x[m, k0:k0+BLOCK_K], q_w[n, k0:k0+BLOCK_K].T, acc)   # fp8 x fp8 -> fp32
+        acc = dot(q_w[n, k0:k0+BLOCK_K], q_x[m, k0:k0+BLOCK_K].T, acc)   # wgmma e4m3
     y[m, n] = acc * (s_x[m] * s_w[n])               # rescale ONCE, at the end
 
-The rescale can wait until the end because every term of the sum over k shares the
-same s_x[m] * s_w[n]; this is why per-token and per-channel scales are free in the
-epilogue while per-group scales along K would not be.
+The rescale waits until the end because every term of the sum over k shares s_x[m] * s_w[n];
+per-token and per-channel scales are free in the epilogue, per-group scales along K are not.
 
-Rounding to E4M3 (step 2) is done with exact fp32 arithmetic (round_to_e4m3) and the
-final cast only converts a value that is already on the E4M3 grid. On a GPU the cast
-alone would round correctly (cvt.rn.satfinite), but Triton's CPU interpreter does not
-round to nearest even nor saturate when it casts, and the codes must match qlab bit
-for bit on both.
+Small M (<= 128 tokens): swap-AB. Hopper's wgmma has a 64-row side (per warpgroup) and a
+narrow side of 8..256; with 1..16 tokens on the 64-row side, 48+ rows of every MMA would
+be padding. The kernel computes y^T = W x^T instead: output features on the 64-row side,
+tokens on the narrow one, and split-K when the N tiles alone cannot fill the SMs.
+Large M: tokens x features tiles in grouped (L2-swizzled) order.
+
+Accumulation precision, a stated choice. Hopper's FP8 wgmma keeps a reduced-precision
+internal sum (about 14 bits, DeepSeek-V3 report, sec. 3.3.2). fast_accum=False (default)
+adds each BLOCK_K step's wgmma result into a separate full fp32 accumulator (Triton's
+max_num_imprecise_acc = BLOCK_K), like torch._scaled_mm(use_fast_accum=False);
+fast_accum=True lets the whole K loop accumulate inside wgmma (use_fast_accum=True).
+
+Rounding to E4M3 (step 1) uses exact fp32 arithmetic (round_to_e4m3) and the final cast
+only converts a value already on the E4M3 grid. On a GPU the cast alone would round
+correctly (cvt.rn.satfinite), but Triton's CPU interpreter neither rounds to nearest even
+nor saturates when it casts, and the codes must match qlab bit for bit on both.
 """
 
 from __future__ import annotations
@@ -37,12 +47,15 @@ import triton
 import triton.language as tl
 
 import qlab
+from qlab.kernels import configs
 from qlab.kernels._backend import (
     INTERPRET,
     check_activation,
     check_device,
     check_linear_weight,
 )
+from qlab.kernels._tiles import split_k_buffers, store_or_reduce, tile_coords
+from qlab.kernels.configs import Config, Launch
 
 __all__ = [
     "FP8Weight",
@@ -57,6 +70,8 @@ F8E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 # Globals a kernel reads must be tl.constexpr:
 E4M3_MAX = tl.constexpr(F8E4M3_MAX)
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 RNE
+ONE_PASS_MAX_K = 8192  # rows up to this long stay in registers: x is read once
+SWAP_AB_MAX_M = 128  # up to this many tokens the GEMM runs swap-AB
 
 
 class FP8Weight(NamedTuple):
@@ -91,113 +106,182 @@ def round_to_e4m3(y):
 
 
 @triton.jit
-def _row_scale_kernel(
-    # pointers
-    x_ptr,  # fp16/bf16/fp32 (M, K)
-    scale_ptr,  # fp32 (M,)
-    # sizes
-    K,
-    # strides
-    stride_xm,
-    # meta-parameters
-    BLOCK_K: tl.constexpr,
-):
-    row = tl.program_id(0)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    # s = amax / 448 as a correctly rounded fp32 division (qlab's absmax rule).
-    scale = tl.div_rn(tl.max(amax, axis=0), E4M3_MAX)
-    tl.store(scale_ptr + row, scale)
+def _quantize_row(x, s):
+    """fp32 values of one row and its scale -> E4M3 codes (qlab: x / s, a true division)."""
+    s = tl.where(s == 0.0, 1.0, s)  # an all-zero row: divide by 1, codes of 0 (as qlab)
+    return round_to_e4m3(tl.div_rn(x, s))  # on the E4M3 grid, still fp32
 
 
 @triton.jit
-def _act_quant_fp8_kernel(
+def _act_quant_kernel(
     # pointers
     x_ptr,  # fp16/bf16/fp32 (M, K)
-    scale_ptr,  # fp32 (M,) per token, or (1,) per tensor with stride_s = 0
     q_ptr,  # fp8e4nv (M, K)
+    s_ptr,  # fp32 (M,): written (MODE 0, 1), or one scale read (MODE 2)
     # sizes
-    M,
     K,
     # strides
     stride_xm,
-    stride_s,
     stride_qm,
     # meta-parameters
-    BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # K <= BLOCK_K: the row is loaded once and kept in registers
+    MODE: tl.constexpr,  # 0: per token (scale + quantize), 1: scale only, 2: given scale
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-    s = tl.load(scale_ptr + offs_m * stride_s, mask=offs_m < M, other=1.0)
-    s = tl.where(s == 0.0, 1.0, s)  # an all-zero row: divide by 1, codes of 0 (as qlab)
-    y = tl.div_rn(x.to(tl.float32), s[:, None])  # true fp32 division, as qlab
-    q = round_to_e4m3(y).to(q_ptr.dtype.element_ty)  # exact cast: y is on the grid
-    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
+    """One program per row m: s[m] = max_k |x[m, k]| / 448 and/or q[m] = E4M3(x[m] / s)."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+    if ONE_PASS:
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        if MODE == 2:
+            s = tl.load(s_ptr)
+        else:
+            s = tl.div_rn(tl.max(tl.abs(x), axis=0), E4M3_MAX)  # correctly rounded, as qlab
+            tl.store(s_ptr + row, s)
+        if MODE != 1:
+            tl.store(q_row + offs, _quantize_row(x, s).to(q_ptr.dtype.element_ty), mask=offs < K)
+    else:
+        if MODE == 2:
+            s = tl.load(s_ptr)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            s = tl.div_rn(tl.max(amax, axis=0), E4M3_MAX)
+            tl.store(s_ptr + row, s)
+        if MODE != 1:
+            for k0 in range(0, K, BLOCK_K):  # the second read of the row hits L2
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                q = _quantize_row(x, s).to(q_ptr.dtype.element_ty)  # exact cast: on the grid
+                tl.store(q_row + k0 + offs, q, mask=k0 + offs < K)
+
+
+@triton.jit
+def _fp8_gemm_swap_kernel(
+    # pointers
+    w_ptr,  # fp8e4nv (N, K): quantized weight, nn.Linear layout
+    x_ptr,  # fp8e4nv (M, K): quantized activations
+    sw_ptr,  # fp32 (N,) or (1,): weight scales
+    sx_ptr,  # fp32 (M,) or (1,): activation scales
+    out_ptr,  # fp16/bf16 (M, N)
+    ws_ptr,  # fp32 split-K workspace
+    count_ptr,  # int32 split-K counters
+    # sizes
+    M,
+    N,
+    K,
+    # strides (0 for a per-tensor scale)
+    stride_wn,
+    stride_xm,
+    stride_sw,
+    stride_sx,
+    stride_om,
+    split_k,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,  # tokens: the narrow side of wgmma
+    BLOCK_N: tl.constexpr,  # output features: the 64-row side
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,  # None: fast accumulation; BLOCK_K: promote every step
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_n, N - 1)  # clamped loads, masked stores
+    tokens = tl.minimum(offs_m, M - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    k_steps = tl.cdiv(K, BLOCK_K)
+    k_start = pid_k * (k_steps // split_k) * BLOCK_K  # split_k divides k_steps
+    k_end = tl.minimum(k_start + (k_steps // split_k) * BLOCK_K, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + offs_k
+        in_k = k < K  # K need not be a multiple of BLOCK_K: zeros add nothing
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :], mask=in_k[None, :], other=0.0)
+        # x^T tile, K contiguous (K-major, as fp8 wgmma requires): shape (BLOCK_K, BLOCK_M)
+        x_t = tl.load(x_ptr + tokens[None, :] * stride_xm + k[:, None], mask=in_k[:, None],
+                      other=0.0)  # fmt: skip
+        acc = tl.dot(w, x_t, acc, max_num_imprecise_acc=MAX_IMPRECISE)
+
+    # Epilogue: the only place the scales appear (before a split-K sum: it is linear).
+    s_w = tl.load(sw_ptr + rows * stride_sw)
+    s_x = tl.load(sx_ptr + tokens * stride_sx)
+    acc = acc * (s_w[:, None] * s_x[None, :])
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    store_or_reduce(
+        acc, out_ptrs, out_mask, ws_ptr, count_ptr, local,
+        tile, num_m * num_n, pid_k, split_k, TILE=BLOCK_N * BLOCK_M,
+    )  # fmt: skip
 
 
 @triton.jit
 def _fp8_gemm_kernel(
     # pointers
-    a_ptr,  # fp8e4nv (M, K): quantized activations
-    b_ptr,  # fp8e4nv (N, K): quantized weight, nn.Linear layout
-    sa_ptr,  # fp32 (M,) or (1,): activation scales
-    sb_ptr,  # fp32 (N,) or (1,): weight scales
+    x_ptr,  # fp8e4nv (M, K): quantized activations
+    w_ptr,  # fp8e4nv (N, K): quantized weight, nn.Linear layout
+    sx_ptr,  # fp32 (M,) or (1,)
+    sw_ptr,  # fp32 (N,) or (1,)
     out_ptr,  # fp16/bf16 (M, N)
     # sizes
     M,
     N,
     K,
     # strides (0 for a per-tensor scale)
-    stride_am,
-    stride_bn,
-    stride_sa,
-    stride_sb,
+    stride_xm,
+    stride_wn,
+    stride_sx,
+    stride_sw,
     stride_om,
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # grouped tile order: GROUP_M row tiles share W tiles in L2
+    NUM_STAGES: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_m, num_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    tokens = tl.minimum(offs_m, M - 1)
+    rows = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K  # K need not be a multiple of BLOCK_K: zeros add nothing
-        a = tl.load(
-            a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # shape: (BLOCK_M, BLOCK_K) fp8
-        b = tl.load(
-            b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None],
-            mask=mask_n[None, :] & mask_k[:, None],
-            other=0.0,
-        )  # shape: (BLOCK_K, BLOCK_N) fp8, a tile of W^T (K contiguous, as wgmma wants)
-        acc = tl.dot(a, b, acc)  # fp8 x fp8 products, fp32 accumulator
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + offs_k
+        in_k = k < K
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + k[None, :], mask=in_k[None, :],
+                    other=0.0)  # fmt: skip
+        # W^T tile, K contiguous: shape (BLOCK_K, BLOCK_N)
+        w_t = tl.load(w_ptr + rows[None, :] * stride_wn + k[:, None], mask=in_k[:, None],
+                      other=0.0)  # fmt: skip
+        acc = tl.dot(x, w_t, acc, max_num_imprecise_acc=MAX_IMPRECISE)
 
-    # Epilogue: the only place the scales appear.
-    s_a = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=0.0)
-    s_b = tl.load(sb_ptr + offs_n * stride_sb, mask=mask_n, other=0.0)
-    out = acc * (s_a[:, None] * s_b[None, :])
+    s_x = tl.load(sx_ptr + tokens * stride_sx)
+    s_w = tl.load(sw_ptr + rows * stride_sw)
+    out = acc * (s_x[:, None] * s_w[None, :])
     tl.store(
         out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
     )
 
 
+# ----------------------------------------------------------------------------- wrappers
 def _check_fp8_device(t: torch.Tensor) -> None:
     if t.device.type == "cuda" and not INTERPRET:
         major, minor = torch.cuda.get_device_capability(t.device)
@@ -210,7 +294,8 @@ def _check_fp8_device(t: torch.Tensor) -> None:
 
 def pack_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weight:
     """Quantize an nn.Linear weight (N, K) to FP8 E4M3 with qlab.quantize(weight,
-    "fp8_e4m3", granularity); granularity "channel" (one scale per output row) or "tensor".
+    "fp8_e4m3", granularity) (on the CPU; the result is on weight's device); granularity
+    "channel" (one scale per output row) or "tensor".
     """
     check_linear_weight(weight)
     if granularity not in ("channel", "tensor"):
@@ -218,7 +303,7 @@ def pack_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weight:
             f"granularity must be 'channel' or 'tensor' for the FP8 kernel, got "
             f"{granularity!r} (per-group scales along K cannot be applied once at the end)"
         )
-    qt = qlab.quantize(weight, "fp8_e4m3", granularity)  # codes uint8 (N, K), scales fp32
+    qt = qlab.quantize(weight.detach().cpu(), "fp8_e4m3", granularity)  # uint8 codes, fp32
     codes = qt.codes.view(torch.float8_e4m3fn)  # same bits, a dtype tl.dot understands
     scales = qt.scales.reshape(-1).to(torch.float32)  # (N,) or (1,)
     return FP8Weight(
@@ -228,57 +313,127 @@ def pack_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weight:
     )
 
 
+def plan_act_quant(x, codes, scales, mode: int) -> Launch:
+    """The launch quantizing x (M, K): mode 0 per token, 1 row scales only, 2 with scales[0]."""
+    M, K = x.shape
+    one_pass = K <= ONE_PASS_MAX_K
+    block_k = triton.next_power_of_2(K) if one_pass else 2048
+    return Launch(
+        kernel=_act_quant_kernel,
+        grid=(M,),
+        args=(x, codes, scales, K, x.stride(0), codes.stride(0)),
+        meta=dict(BLOCK_K=block_k, ONE_PASS=one_pass, MODE=mode,
+                  num_warps=4 if block_k <= 2048 else 8 if block_k <= 4096 else 16),  # fmt: skip
+    )
+
+
 def quantize_act_fp8(
     x: torch.Tensor, granularity: str = "token"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize activations x (M, K) to E4M3 at run time, in two Triton kernels.
+    """Quantize activations x (M, K) to E4M3 at run time.
 
+    Per token: ONE kernel, one program per row (amax and quantize fused). Per tensor: the
+    row amaxes, their max (torch), then the quantize pass: a global max needs every row.
     Returns (codes float8_e4m3fn (M, K), scales float32: (M,) per token or () per tensor),
     bit-exact with qlab.quantize(x, "fp8_e4m3", "channel" | "tensor").
     """
     if granularity not in ("token", "tensor"):
         raise ValueError(f"act granularity must be 'token' or 'tensor', got {granularity!r}")
-    if not isinstance(x, torch.Tensor) or x.dtype not in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-    ):
-        raise TypeError(
-            f"x must be a float16, bfloat16 or float32 tensor, got "
-            f"{getattr(x, 'dtype', type(x).__name__)}"
-        )
-    if x.ndim != 2:
-        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError("x must be contiguous; call x.contiguous() first")
+    check_activation(x, dtypes=(torch.float16, torch.bfloat16, torch.float32), two_d=True)
     check_device(x)
     M, K = x.shape
     codes = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     row_scales = torch.zeros((M,), dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return codes, row_scales if granularity == "token" else row_scales.new_zeros(())
-    _row_scale_kernel[(M,)](x, row_scales, K, x.stride(0), BLOCK_K=256)
     if granularity == "token":
-        scales, stride_s = row_scales, 1
-    else:
-        # Division by 448 is monotonic, so max_m(amax_m / 448) == amax(x) / 448 exactly.
-        scales, stride_s = row_scales.amax(), 0
-    block_m, block_k = 16, 128
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    _act_quant_fp8_kernel[grid](
-        x, scales, codes,
-        M, K,
-        x.stride(0), stride_s, codes.stride(0),
-        BLOCK_M=block_m, BLOCK_K=block_k,
-    )  # fmt: skip
-    return codes, scales
+        plan_act_quant(x, codes, row_scales, mode=0)()
+        return codes, row_scales
+    plan_act_quant(x, codes, row_scales, mode=1)()
+    # Division by 448 is monotonic, so max_m(amax_m / 448) == amax(x) / 448 exactly.
+    scale = row_scales.amax()
+    plan_act_quant(x, codes, scale.reshape(1), mode=2)()
+    return codes, scale
 
 
-def fp8_linear(x: torch.Tensor, w: FP8Weight, act_granularity: str = "token") -> torch.Tensor:
+def plan_gemm(q_x, s_x, w: FP8Weight, out, config: Config, sms: int, fast_accum: bool,
+              buffers=split_k_buffers) -> Launch:  # fmt: skip
+    """The GEMM launch of fp8_scaled_mm with `config` (what compile_for builds)."""
+    M, K = q_x.shape
+    N = w.shape[0]
+    stride_sx = 1 if s_x.ndim == 1 else 0  # per token, or one scale broadcast with stride 0
+    stride_sw = 1 if w.granularity == "channel" else 0
+    max_imprecise = None if fast_accum else config.block_k
+    if M <= SWAP_AB_MAX_M:
+        tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+        split = configs.split_k_for(tiles, triton.cdiv(K, config.block_k), sms)
+        ws, counts = buffers(split, tiles, config.block_m * config.block_n, out.device)
+        return Launch(
+            kernel=_fp8_gemm_swap_kernel,
+            grid=(tiles, split),
+            args=(w.codes, q_x, w.scales, s_x, out, ws, counts, M, N, K,
+                  w.codes.stride(0), q_x.stride(0), stride_sw, stride_sx, out.stride(0),
+                  split),  # fmt: skip
+            meta=dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                      GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
+                      MAX_IMPRECISE=max_imprecise, num_warps=config.num_warps),  # fmt: skip
+            config=config,
+        )
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    return Launch(
+        kernel=_fp8_gemm_kernel,
+        grid=(tiles,),
+        args=(q_x, w.codes, s_x, w.scales, out, M, N, K,
+              q_x.stride(0), w.codes.stride(0), stride_sx, stride_sw, out.stride(0)),  # fmt: skip
+        meta=dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                  GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
+                  MAX_IMPRECISE=max_imprecise, num_warps=config.num_warps),  # fmt: skip
+        config=config,
+    )
+
+
+def fp8_scaled_mm(
+    q_x: torch.Tensor,
+    s_x: torch.Tensor,
+    w: FP8Weight,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """The GEMM alone: (q_x (M, K) fp8, s_x (M,) or ()) from quantize_act_fp8, times
+    W_hat.T -> (M, N) in out_dtype. What torch._scaled_mm does (use_fast_accum=fast_accum);
+    fp8_linear calls it."""
+    check_activation(q_x, w.shape[1], dtypes=(torch.float8_e4m3fn,), two_d=True)
+    M, K = q_x.shape
+    N = w.shape[0]
+    if s_x.dtype != torch.float32 or tuple(s_x.shape) not in ((M,), ()):
+        raise ValueError(f"s_x must be float32 of shape ({M},) or (), got {tuple(s_x.shape)}")
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
+    check_device(q_x, s_x, w.codes)
+    _check_fp8_device(q_x)
+    out = torch.empty((M, N), dtype=out_dtype, device=q_x.device)
+    if M == 0 or N == 0:
+        return out
+    sms = configs.device_sms()
+    key = (N, K, str(out_dtype), bool(fast_accum))
+
+    def launch(c: Config) -> Launch:
+        return plan_gemm(q_x, s_x, w, out, c, sms, fast_accum)
+
+    config = configs.choose("fp8", M, key, lambda c: launch(c)())
+    launch(config)()
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor, w: FP8Weight, act_granularity: str = "token", fast_accum: bool = False
+) -> torch.Tensor:
     """y = x @ W_hat.T with activations quantized to E4M3 on the fly (per token or
-    per tensor), an fp8 tensor-core dot, fp32 accumulation and one rescale at the end.
+    per tensor), an FP8 tensor-core dot, fp32 accumulation and one rescale at the end.
 
     x: (..., K) float16 or bfloat16; returns (..., N) in x's dtype. Needs sm_89+ on a GPU.
+    fast_accum: let the FP8 MMA accumulate the whole K loop at its internal precision
+    (see the module docstring); False promotes into fp32 every K step.
     """
     if not isinstance(w, FP8Weight):
         raise TypeError(f"w must be the FP8Weight from pack_fp8, got {type(w).__name__}")
@@ -293,41 +448,5 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, act_granularity: str = "token") ->
     if x2.shape[0] == 0 or N == 0:
         return torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     q_x, s_x = quantize_act_fp8(x2, act_granularity)
-    return fp8_scaled_mm(q_x, s_x, w, x.dtype).reshape(*x.shape[:-1], N)
-
-
-def fp8_scaled_mm(
-    q_x: torch.Tensor, s_x: torch.Tensor, w: FP8Weight, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """The GEMM alone: (q_x (M, K) fp8, s_x (M,) or ()) from quantize_act_fp8, times
-    W_hat.T -> (M, N) in out_dtype. What torch._scaled_mm does; fp8_linear calls it."""
-    if q_x.dtype != torch.float8_e4m3fn or q_x.ndim != 2 or not q_x.is_contiguous():
-        raise ValueError("q_x must be a contiguous 2-D float8_e4m3fn tensor (quantize_act_fp8)")
-    M, K = q_x.shape
-    N = w.shape[0]
-    if w.shape[1] != K:
-        raise ValueError(f"q_x has K = {K} but the weight has in_features {w.shape[1]}")
-    if s_x.dtype != torch.float32 or tuple(s_x.shape) not in ((M,), ()):
-        raise ValueError(f"s_x must be float32 of shape ({M},) or (), got {tuple(s_x.shape)}")
-    if out_dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
-    check_device(q_x, s_x, w.codes)
-    _check_fp8_device(q_x)
-    out = torch.empty((M, N), dtype=out_dtype, device=q_x.device)
-    if M == 0 or N == 0:
-        return out
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-    block_n = 64 if M <= 64 else 128
-    block_k = 128
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _fp8_gemm_kernel[grid](
-        q_x, w.codes, s_x, w.scales, out,
-        M, N, K,
-        q_x.stride(0), w.codes.stride(0),
-        1 if s_x.ndim == 1 else 0,  # per token, or one scale broadcast with stride 0
-        1 if w.granularity == "channel" else 0,
-        out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4 if block_m <= 32 else 8, num_stages=3,
-    )  # fmt: skip
-    return out
+    y = fp8_scaled_mm(q_x, s_x, w, x.dtype, fast_accum)
+    return y.reshape(*x.shape[:-1], N)

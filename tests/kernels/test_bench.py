@@ -1,46 +1,50 @@
-"""The benchmark harness without a GPU: byte/FLOP counting, the roofline model, the
-CPU mode of `python -m qlab.kernels.bench`, plots and recorded-results loading."""
+"""The benchmark harness without a GPU: the CPU mode end to end (every candidate the CPU can
+run, checked on the interpreter), device matching, the timing policy with stand-in timers,
+the result columns, recorded-results loading and the plots."""
 
 import json
 
 import pytest
+import torch
 
-from qlab.kernels import bench
-
-
-def test_counts_by_hand():
-    m, n, k = 1, 8192, 8192
-    assert bench.count_flops(m, n, k) == 2 * 8192 * 8192
-    # x (16 KiB bf16) + W (128 MiB bf16) + y (16 KiB)
-    assert bench.count_bytes("torch_bf16", m, n, k) == 16384 + 134217728 + 16384
-    # packed int4 is half a byte per weight, plus one fp16 scale per 128 weights
-    assert bench.count_bytes("w4a16", m, n, k) == 16384 + 33554432 + 1048576 + 16384
-    gemm = 8192 + 67108864 + 4 * (1 + 8192) + 16384
-    assert bench.count_bytes("fp8_gemm", m, n, k) == gemm
-    assert bench.count_bytes("fp8", m, n, k) == gemm + (16384 + 4) + (16384 + 4 + 8192)
-    with pytest.raises(ValueError, match="unknown kernel"):
-        bench.count_bytes("int3", m, n, k)
+import qlab
+from qlab.kernels import baselines, bench, plots
 
 
-def test_roofline_model_figures():
-    spec = bench.device_spec("H100 SXM")
-    assert spec["bandwidth_bytes_per_s"] == 3.35e12  # from qlab.cost.DEVICES
-    assert bench.ridge_intensity(spec) == pytest.approx(295.34, abs=0.01)
-    # M = 1 is bandwidth-bound: time = bytes / bandwidth
-    t = bench.roofline_seconds("w4a16", 1, 8192, 8192, spec)
-    assert t == pytest.approx(34635776 / 3.35e12, rel=1e-12)
-    doc = bench.roofline_model("H100 SXM", bench.SHAPES[:1], bench.M_SWEEP)
-    rows = {(r["kernel"], r["M"]): r for r in doc["rows"]}
-    # decode: 4-bit weights read ~3.9x fewer bytes than bf16
-    assert rows[("w4a16", 1)]["speedup_vs_bf16"] == pytest.approx(3.876, abs=1e-3)
-    assert rows[("fp8", 1)]["speedup_vs_bf16"] == pytest.approx(2.0, abs=0.01)
-    # compute-bound: weight-only gains nothing, fp8 tensor cores gain 2x
-    assert rows[("w4a16", 4096)]["speedup_vs_bf16"] == pytest.approx(1.0)
-    assert rows[("fp8", 4096)]["speedup_vs_bf16"] == pytest.approx(1978.9 / 989.4)
-    assert bench.stops_paying_m(doc["rows"], "square 8192x8192", "w4a16") == 512
-    assert bench.stops_paying_m(doc["rows"], "square 8192x8192", "fp8") is None
-    a100 = bench.roofline_model("A100 80GB", bench.SHAPES[:1], (1,))
-    assert {r["kernel"] for r in a100["rows"]} == {"torch_bf16", "w4a16"}  # no fp8 on sm_80
+def test_cpu_mode_checks_every_candidate_and_writes_a_labelled_model(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    monkeypatch.setattr(bench, "_native", lambda: False)  # on a GPU machine too: no timing
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "NOT timed" in out and "MODEL" in out
+    checked = json.loads((tmp_path / "correctness_cpu.json").read_text())
+    names = {c.name for c in baselines.candidates(fp8=True)}
+    assert {r["kernel"] for r in checked["rows"]} == names  # tinygemm and _scaled_mm included
+    assert {r["M"] for r in checked["rows"]} == set(bench.M_CPU)
+    assert all("error" not in r and "skipped" not in r for r in checked["rows"]), [
+        r for r in checked["rows"] if "error" in r or "skipped" in r
+    ]
+    assert all("time_s" not in r for r in checked["rows"])  # interpreter: never timed
+    ours = [r for r in checked["rows"] if r["kernel"] == "w4a16"]
+    assert [r["launches"][-1]["kernel"] for r in ours] == [
+        "_w4a16_gemv_kernel", "_w4a16_gemm_kernel", "_w4a16_gemm_kernel"
+    ]
+    model = json.loads((tmp_path / "roofline_model_H100-SXM.json").read_text())
+    assert model["kind"] == "roofline model (not measured)"
+    assert len(model["rows"]) == len(bench.SHAPES_QUICK) * len(bench.M_SWEEP) * 3
+    for suffix in ("roofline", "speedup"):
+        png = tmp_path / f"roofline_model_H100-SXM_{suffix}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_wrong_kernel_fails_the_run(tmp_path, monkeypatch):
+    real = baselines.w4a16_linear
+    monkeypatch.setattr(baselines, "w4a16_linear", lambda x, w: real(x, w) * 1.01)
+    monkeypatch.setattr(bench, "M_CPU", (1,))
+    monkeypatch.setattr(bench, "_native", lambda: False)
+    assert bench.main(["--quick", "--out", str(tmp_path), "--no-plots"]) == 1
+    doc = json.loads((tmp_path / "correctness_cpu.json").read_text())
+    assert [r["kernel"] for r in bench.failures(doc)] == ["w4a16"]
 
 
 def test_match_device():
@@ -48,38 +52,77 @@ def test_match_device():
     assert bench.match_device("NVIDIA H200") == "H200"
     assert bench.match_device("NVIDIA A100-SXM4-80GB") == "A100 80GB"
     assert bench.match_device("NVIDIA H100 PCIe") is None  # other bandwidth: no guess
+    assert bench.match_device(None) is None
+    assert bench.match_device("NVIDIA L4") == ("L4" if "L4" in qlab.cost.DEVICES else None)
+    assert bench.match_device("NVIDIA L40S") == ("L40S" if "L40S" in qlab.cost.DEVICES else None)
+    # NVL boards and Grace Hopper have their own bandwidth and clocks: never H100 SXM/H200
+    for name, key in (("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA GH200 480GB", "GH200"),
+                      ("NVIDIA GH200 144G HBM3e", "GH200 144GB"),
+                      ("NVIDIA H200 NVL", "H200 NVL")):  # fmt: skip
+        assert bench.match_device(name) == (key if key in qlab.cost.DEVICES else None)
 
 
-def test_cpu_mode_writes_labelled_model_and_plots(tmp_path, capsys):
-    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "not performance" in out and "MODEL" in out
-    doc = json.loads((tmp_path / "roofline_model_H100-SXM.json").read_text())
-    assert doc["kind"] == "roofline model (not measured)"
-    assert all(c.get("ok", c.get("bit_exact")) for c in doc["correctness"])
-    assert len(doc["rows"]) == 3 * len(bench.M_QUICK) * 3
-    for suffix in ("roofline", "speedup"):
-        png = tmp_path / f"roofline_model_H100-SXM_{suffix}.png"
-        assert png.read_bytes()[:4] == b"\x89PNG"
+def test_timing_policy(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench.triton.testing, "do_bench",
+                        lambda fn, **kw: seen.append("flush") or 0.020)  # 20 us, in ms
+    monkeypatch.setattr(bench.triton.testing, "do_bench_cudagraph",
+                        lambda fn, **kw: fn() or seen.append("graph") or 0.040)  # fmt: skip
+    calls = [lambda i=i: seen.append(i) for i in range(4)]
+    t, how = bench.time_calls(calls, rep_ms=10)
+    assert seen == ["flush", 0, 1, 2, 3, "graph"]  # the graph cycles every weight copy
+    assert t == pytest.approx(0.040e-3 / 4) and "4 weight copies" in how
+    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **kw: 0.5)  # 500 us
+    assert bench.time_calls(calls, rep_ms=10) == (0.5e-3, "do_bench (L2 flushed)")
+    assert bench.weight_copies(8 << 20, 50 << 20) == 19  # 3x an H100's L2 of int4 weights
+    assert bench.weight_copies(1 << 30, 50 << 20) == 1 and bench.weight_copies(10, None) == 1
+
+
+def test_rows_get_model_bound_and_like_for_like_speedups():
+    spec = qlab.cost.DEVICES["H100 SXM"]
+    shape = {"shape": "s", "N": 4096, "K": 4096, "M": 1}
+    times = {"torch_bf16": 20e-6, "w4a16": 5e-6, "tinygemm": 10e-6, "fp8_gemm": 8e-6,
+             "torch_scaled_mm": 6e-6, "fp8": 9e-6}  # fmt: skip
+    rows = [{**shape, "kernel": k, "time_s": t} for k, t in times.items()]
+    rows.append({**shape, "kernel": "torch_fp8_fast", "error": "wrong"})
+    bench.finish_rows(rows, spec)
+    by = {r["kernel"]: r for r in rows}
+    assert by["w4a16"]["speedup_vs_bf16"] == pytest.approx(4.0)
+    assert by["w4a16"]["baseline"] == "tinygemm" and by["w4a16"]["speedup_vs_baseline"] == 2.0
+    assert by["fp8_gemm"]["baseline"] == "torch_scaled_mm"
+    assert by["fp8_gemm"]["speedup_vs_baseline"] == pytest.approx(0.75)
+    assert "speedup_vs_baseline" not in by["fp8"]  # torch_fp8 was not measured
+    expected = 4096 * 4096 * (0.5 + 2 / 128) / 3.35e12  # weight bytes dominate
+    assert by["w4a16"]["expected_s"] == pytest.approx(expected, rel=0.01)
+    assert by["w4a16"]["bound"] == "memory"
+    assert by["w4a16"]["pct_of_bound"] == pytest.approx(100 * by["w4a16"]["expected_s"] / 5e-6)
+    assert "time_s" not in by["torch_fp8_fast"] and "expected_s" in by["torch_fp8_fast"]
+    assert bench.failures({"rows": rows}) == []  # a broken baseline is not our failure
+
+
+def test_tinygemm_puts_the_even_k_in_the_high_nibble():
+    codes = torch.tensor([[1, -2, 7, -8]], dtype=torch.int8)  # uint4 = code + 8: 9 6 15 0
+    assert baselines.tinygemm_bytes(codes).tolist() == [[0x96, 0xF0]]
+    assert qlab.pack_int4(codes).tolist() == [[0xE1, 0x87]]  # qlab: even k low, two's complement
 
 
 def _fake_measured(date: str, gpu: str) -> dict:
-    doc = bench.roofline_model("H200", bench.SHAPES[:1], (1, 4096))
+    doc = bench.model_doc("H200", bench.SHAPES[:1], (1, 4096))
     doc.update(kind="measured", environment={"date_utc": date, "gpu": gpu})
     return doc
 
 
 def test_latest_measured_and_measured_plots(tmp_path):
     assert bench.latest_measured(tmp_path) is None
-    (tmp_path / "roofline_model_H200.json").write_text(json.dumps(bench.roofline_model("H200")))
+    (tmp_path / "bench_model.json").write_text(json.dumps(bench.model_doc("H200")))
     assert bench.latest_measured(tmp_path) is None  # a model is not a measurement
     for date in ("2026-01-02T00:00:00+00:00", "2026-03-04T00:00:00+00:00"):
         doc = _fake_measured(date, "NVIDIA H200")
         (tmp_path / f"bench_NVIDIA-H200_{date[:10]}.json").write_text(json.dumps(doc))
     latest = bench.latest_measured(tmp_path)
     assert latest["environment"]["date_utc"].startswith("2026-03-04")
-    fig = bench.plot_roofline(latest)
-    assert fig.axes[0].get_title().startswith("Measured")
-    fig = bench.plot_speedup(bench.roofline_model("H100 SXM", bench.SHAPES[:2], (1, 16)))
+    assert plots.plot_roofline(latest).axes[0].get_title().startswith("Measured on NVIDIA H200")
+    fig = plots.plot_speedup(bench.model_doc("H100 SXM", bench.SHAPES[:2], (1, 16)))
     assert "MODEL" in fig.axes[0].get_title()
-    assert "ROOFLINE MODEL" in bench.summary_lines(bench.roofline_model("B200", (), ()))[0]
+    lines = bench.summary_lines(latest)
+    assert lines[0].startswith("MEASURED") and len(lines) == 2 + len(latest["rows"])

@@ -68,3 +68,18 @@ def test_bad_inputs_raise_clear_errors():
     wide = torch.zeros(4, 64, dtype=torch.uint8, device=DEVICE)
     with pytest.raises(ValueError, match="contiguous"):
         dequantize_int4(wide[:, ::2], scales, 32)
+
+
+def test_16_bit_output_is_the_exact_value_rounded_once():
+    torch.manual_seed(9)
+    qt = qlab.quantize(torch.randn(6, 256) * 3, "int4", 64)
+    packed, scales = qlab.pack_int4(qt.codes).to(DEVICE), qt.scales.to(DEVICE)
+    exact = qlab.dequantize(qt)
+    half = dequantize_int4(packed, scales, 64, out_dtype=torch.float16).cpu()
+    assert half.dtype == torch.float16 and torch.equal(half, exact.half())  # round to nearest
+    # bf16: one rounding; within one unit in the last place (the CPU interpreter truncates)
+    bf16 = dequantize_int4(packed, scales, 64, out_dtype=torch.bfloat16).cpu()
+    assert bf16.dtype == torch.bfloat16
+    assert bool(((bf16.float() - exact).abs() <= exact.abs() * 2.0**-7).all())
+    with pytest.raises(TypeError, match="out_dtype"):
+        dequantize_int4(packed, scales, 64, out_dtype=torch.int8)

@@ -1,0 +1,245 @@
+"""Ahead-of-time builds for real GPUs, on any CPU: qlab.kernels.compile_for.
+
+    compile_for("w4a16", M=1, N=4096, K=4096)          # sm_90 (Hopper) by default
+    -> {"ptx", "n_regs", "n_spills", "shared", "grid", "config", "kernel", "launches"}
+
+It builds exactly what the wrapper would launch for that shape: the wrapper's own plan
+(kernels/w4a16.py `plan`, kernels/fp8.py `plan_gemm`), the default config of the shape's
+M bucket (or `config=`), the split-K the wrapper would pick on an H100 (132 SMs, or
+`sms=`), and Triton's own argument specialization (16-byte alignment, divisibility by 16),
+then Triton's GPU pipeline TTIR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for `arch`.
+No driver is needed. The kernels on a machine without a GPU are interpreter functions, so
+the build runs in a fresh Python with TRITON_INTERPRET=0 (a few seconds; Triton caches).
+
+n_regs / n_spills / shared are what the CUDA driver would report when loading the cubin:
+registers per thread, local-memory bytes per thread (spills), static shared memory bytes
+(from cuobjdump --dump-resource-usage, which ships with Triton) and Triton's dynamic
+shared memory. Helpers below read PTX for the features the tests and notebooks check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = [
+    "KERNELS",
+    "compile_for",
+    "compile_many",
+    "mma_instructions",
+    "k_loop",
+    "global_load_widths",
+]
+
+KERNELS = ("w4a16", "fp8", "dequant")
+_DTYPES = ("bf16", "fp16")
+
+
+def compile_for(kernel: str, M: int, N: int, K: int, arch: int = 90, **opts) -> dict:
+    """Compile the launch the wrapper of `kernel` ("w4a16", "fp8", "dequant") would make for
+    x (M, K) and a weight (N, K), for compute capability `arch` (80, 89, 90, 100).
+
+    opts: dtype ("bf16" | "fp16", the activations), group_size (w4a16, default 128),
+    fast_accum (fp8, default False), config (a qlab.kernels.configs.Config), sms (default 132).
+    Returns the main kernel's "ptx", "n_regs", "n_spills", "shared", "grid", "config",
+    "kernel" (its name) and "meta" (its constexprs), plus "launches": the same for every
+    launch the wrapper makes, main one first (fp8: the GEMM, then the activation quantizer).
+    """
+    return compile_many([dict(kernel=kernel, M=M, N=N, K=K, arch=arch, **opts)])[0]
+
+
+def compile_many(requests: list[dict], timeout: float = 600,
+                 workers: int | None = None) -> list[dict]:  # fmt: skip
+    """compile_for for several requests, in `workers` fresh Pythons at once (default: one
+    per CPU core, at most 4); each starts once and builds its share in order."""
+    for r in requests:
+        _check_request(r)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")  # the build needs no GPU
+    workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(requests)))
+    shares = [list(range(i, len(requests), workers)) for i in range(workers)]
+
+    def build(share: list[int]) -> subprocess.CompletedProcess:
+        payload = json.dumps([_jsonable(requests[i]) for i in share])
+        return subprocess.run([sys.executable, "-m", "qlab.kernels.aot"], input=payload,
+                              env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+    with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own child process
+        done = list(pool.map(build, shares))
+    results: list[dict | None] = [None] * len(requests)
+    for share, child in zip(shares, done, strict=True):
+        if child.returncode != 0:
+            raise RuntimeError(f"ahead-of-time build failed:\n{child.stderr[-4000:]}")
+        for i, built in zip(share, json.loads(child.stdout.strip().splitlines()[-1]), strict=True):
+            results[i] = built
+    return results
+
+
+def _check_request(r: dict) -> None:
+    if r.get("kernel") not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {r.get('kernel')!r}")
+    for name in ("M", "N", "K"):
+        if isinstance(r[name], bool) or not isinstance(r[name], int) or r[name] <= 0:
+            raise ValueError(f"{name} must be a positive int, got {r[name]!r}")
+    if r.get("dtype", "bf16") not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {r.get('dtype')!r}")
+    known = {"kernel", "M", "N", "K", "arch", "dtype", "group_size", "fast_accum", "config", "sms"}
+    if set(r) - known:
+        raise TypeError(f"unknown options {sorted(set(r) - known)}; known: {sorted(known)}")
+
+
+def _jsonable(r: dict) -> dict:
+    r = dict(r)
+    if r.get("config") is not None and not isinstance(r["config"], dict):
+        r["config"] = r["config"].as_dict()
+    return r
+
+
+# ----------------------------------------------------------------------------- PTX reading
+def mma_instructions(ptx: str) -> list[str]:
+    """The distinct tensor-core instructions: wgmma (sm_90), tcgen05.mma (sm_100), mma.sync."""
+    return sorted(set(re.findall(r"(?:wgmma\.mma_async|tcgen05\.mma|mma\.sync)[\w.:]*", ptx)))
+
+
+def k_loop(ptx: str) -> str:
+    """The body of the kernel's main loop: from the first label LLVM marks as a loop header
+    to the branch back to it."""
+    header = re.search(r"^(\$L__BB\d+_\d+):[^\n]*Loop Header", ptx, re.M)
+    if header is None:
+        raise ValueError("no loop found in this PTX")
+    back = re.compile(r"bra(?:\.uni)?\s+" + re.escape(header.group(1)) + ";")
+    end = back.search(ptx, header.end())
+    if end is None:
+        raise ValueError(f"no branch back to {header.group(1)}")
+    return ptx[header.end() : end.start()]
+
+
+def global_load_widths(ptx: str) -> dict[str, int]:
+    """Bytes per global load instruction -> how many there are: ld.global and cp.async."""
+    widths: dict[str, int] = {}
+    for vec, bits in re.findall(r"ld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)\b", ptx):
+        key = f"ld.global {int(vec or 1) * int(bits) // 8}B"
+        widths[key] = widths.get(key, 0) + 1
+    for size in re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?,\s*0x([0-9a-f]+)", ptx):
+        key = f"cp.async {int(size, 16)}B"
+        widths[key] = widths.get(key, 0) + 1
+    return widths
+
+
+# ----------------------------------------------------------------------------- the child
+class _Fake:
+    """Stands in for a tensor: shape, dtype, strides and a 16-byte aligned address."""
+
+    def __init__(self, dtype, shape):
+        self.dtype, self.shape = dtype, tuple(shape)
+        self.ndim = len(self.shape)
+        self.device = "meta"
+
+    def data_ptr(self) -> int:
+        return 0  # as aligned as a fresh torch allocation
+
+    def stride(self, dim: int | None = None):
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.insert(0, step)
+            step *= size
+        return tuple(strides) if dim is None else strides[dim]
+
+
+def _fake_buffers(split_k, num_tiles, tile_elems, device):
+    import torch
+
+    return _Fake(torch.float32, (max(split_k * num_tiles * tile_elems, 1),)), _Fake(
+        torch.int32, (max(num_tiles, 1024),)
+    )
+
+
+def _plans(r: dict) -> list:
+    """The wrapper's launches for request r, on fake tensors."""
+    import torch
+
+    from qlab.kernels import configs, dequant, fp8, w4a16
+
+    M, N, K = r["M"], r["N"], r["K"]
+    x_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[r.get("dtype", "bf16")]
+    sms = r.get("sms", configs.H100_SMS)
+    config = configs.Config(**r["config"]) if r.get("config") else None
+    if r["kernel"] == "w4a16":
+        g = r.get("group_size", 128)
+        w = w4a16.W4A16Weight(_Fake(torch.uint8, (N, K // 2)), _Fake(torch.float16, (N, K // g)),
+                              g, (N, K))  # fmt: skip
+        config = config or configs.configs_for("w4a16", M)[0]
+        x, out = _Fake(x_dtype, (M, K)), _Fake(x_dtype, (M, N))
+        return [w4a16.plan(x, w, out, config, sms, buffers=_fake_buffers)]
+    if r["kernel"] == "fp8":
+        f8 = torch.float8_e4m3fn
+        w = fp8.FP8Weight(_Fake(f8, (N, K)), _Fake(torch.float32, (N,)), "channel")
+        q_x, s_x = _Fake(f8, (M, K)), _Fake(torch.float32, (M,))
+        config = config or configs.configs_for("fp8", M)[0]
+        quant = fp8.plan_act_quant(_Fake(x_dtype, (M, K)), q_x, s_x, mode=0)
+        gemm = fp8.plan_gemm(q_x, s_x, w, _Fake(x_dtype, (M, N)), config, sms,
+                             bool(r.get("fast_accum", False)), buffers=_fake_buffers)  # fmt: skip
+        return [gemm, quant]
+    g = r.get("group_size", 128)  # dequant: a weight (N, K) as the primer kernel reads it
+    return [dequant.plan(_Fake(torch.uint8, (N, K // 2)), _Fake(torch.float16, (N, K // g)),
+                         _Fake(torch.float32, (N, K)), g)]  # fmt: skip
+
+
+def _build(launch, arch: int) -> dict:
+    """Compile one Launch as JITFunction.run would (same binder, same specialization)."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.meta)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.meta, bound, specialization, options
+    )
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    resources = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    return {
+        "kernel": fn.__name__,
+        "ptx": compiled.asm["ptx"],
+        "n_regs": int(resources["REG"]),
+        "n_spills": int(resources["LOCAL"]),  # the driver's LOCAL_SIZE_BYTES, as Triton's
+        "shared": int(compiled.metadata.shared) + int(resources["SHARED"]),
+        "grid": list(launch.grid),
+        "config": launch.config.as_dict() if launch.config else None,
+        "meta": {k: v for k, v in launch.meta.items() if not k.startswith("num_")}
+        | {"num_warps": launch.meta.get("num_warps", 4)},
+    }
+
+
+def _child() -> None:
+    requests = json.loads(sys.stdin.read())
+    results = []
+    for r in requests:
+        launches = [_build(launch, r.get("arch", 90)) for launch in _plans(r)]
+        results.append(dict(launches[0], launches=launches))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("run through qlab.kernels.compile_for (needs TRITON_INTERPRET=0)")
+    _child()
