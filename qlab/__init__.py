@@ -1,7 +1,7 @@
 """qlab: reference implementations for the quantization course.
 
 A quantization scheme = an element grid + a scale rule + a granularity.
-See ../shared/DESIGN.md and docs/CONTRACT.md for the public API.
+See docs/CONTRACT.md for the public API and the numeric conventions.
 """
 
 from qlab import cost, formats, metrics

@@ -8,6 +8,10 @@ The element with the even index goes in the LOW nibble, the odd one in the HIGH
 nibble (the order of GPTQ/AWQ-style and torchao uint4 packing along K).
 Signed codes (int4, -8..7) are stored as 4-bit two's complement; unsigned codes
 (FP4 E2M1 codes, NF4 indices, asymmetric uint4) as they are.
+
+A nibble does not remember whether it was signed: 0b1001 is 9 unsigned and -7 signed.
+So pack_int4 only accepts codes that unpack_int4 gives back unchanged: -8..7 when
+signed, 0..15 when unsigned (a signed 9 would silently come back as -7).
 """
 
 from __future__ import annotations
@@ -16,11 +20,35 @@ import torch
 
 __all__ = ["pack_int4", "unpack_int4"]
 
+SIGNED_RANGE = (-8, 7)  # int4, two's complement
+UNSIGNED_RANGE = (0, 15)  # uint4
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack integer codes in [-8, 15] two per byte along the last axis.
+
+def _check_range(c: torch.Tensor, signed: bool) -> None:
+    """Raise a ValueError naming the first code that no nibble of this kind can hold."""
+    if c.numel() == 0:
+        return
+    lo, hi = SIGNED_RANGE if signed else UNSIGNED_RANGE
+    if int(c.min()) < lo or int(c.max()) > hi:
+        bad = ((c < lo) | (c > hi)).nonzero()[0].tolist()
+        kind = "signed int4" if signed else "unsigned uint4"
+        raise ValueError(
+            f"code {int(c[tuple(bad)])} at index {tuple(bad)} is outside {lo}..{hi} "
+            f"({kind}): a nibble cannot hold it and it would unpack as a different code; "
+            "clamp the codes to the grid first"
+            + (", or pass signed=False for uint4 codes 0..15" if signed else "")
+        )
+
+
+def pack_int4(codes: torch.Tensor, signed: bool | None = None) -> torch.Tensor:
+    """Pack integer codes two per byte along the last axis.
 
     codes: integer tensor of shape (..., K) with K even.
+    signed: True for int4 codes (-8..7, unpack with signed=True), False for uint4 codes
+        (0..15, unpack with signed=False), None to follow the dtype: an unsigned dtype
+        (uint8, as qlab stores asymmetric, NF4 and FP4 codes) means uint4, a signed one
+        (int8, as qlab stores symmetric int codes; int64 too) means int4.
+        A code outside that range raises a ValueError (it could not come back).
     Returns uint8 of shape (..., K // 2).
     """
     codes = torch.as_tensor(codes)
@@ -31,9 +59,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
             f"pack_int4 needs an even last dimension, got shape {tuple(codes.shape)}; "
             "pad the reduction axis to a multiple of 2"
         )
+    if signed is None:
+        signed = codes.is_signed()
     c = codes.to(torch.int16)
-    if c.numel() and (int(c.min()) < -8 or int(c.max()) > 15):
-        raise ValueError("codes must lie in [-8, 15] (int4 or uint4) to fit in a nibble")
+    _check_range(c, signed)
     c = (c & 0xF).to(torch.uint8)
     # shape: (..., K // 2, 2): [even, odd] pairs
     pairs = c.reshape(*c.shape[:-1], c.shape[-1] // 2, 2)

@@ -11,6 +11,7 @@ from qlab.widgets import (
     DecodeCalculator,
     FormatExplorer,
     GranularityExplorer,
+    check_prediction,
     decode_summary,
     describe_value,
     explorer_data,
@@ -18,7 +19,13 @@ from qlab.widgets import (
     make_weights,
     measure,
 )
-from qlab.widgets.granularity import FAMILIES, GRANULARITIES, scheme_for
+from qlab.widgets.granularity import (
+    FAMILIES,
+    FORMAT_GRANULARITY,
+    GRANULARITIES,
+    format_label,
+    scheme_for,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -106,6 +113,26 @@ def test_explorer_data_is_consistent():
     assert {m.family for m in d["formats"]} == set(FAMILIES.values()) - {"int", "int_asym"}
 
 
+def test_format_diamonds_stay_at_their_own_granularity(explorer):
+    # NF4 is drawn with its blocks of 64 (notebook 03), not at the slider's granularity
+    by_gran = {}
+    for g in ("tensor", 128, 16):
+        d = explorer_data("int", 4, g, 20.0)
+        by_gran[g] = {m.family: (m.bits_per_element, m.rmse) for m in d["formats"]}
+    assert by_gran["tensor"] == by_gran[128] == by_gran[16]
+    nf4 = measure(make_weights(20.0), "nf4", 4, 64)
+    assert by_gran["tensor"]["nf4"] == (nf4.bits_per_element, nf4.rmse) == (4.5, nf4.rmse)
+    fp8 = measure(make_weights(20.0), "fp8_e4m3", 8, "channel")
+    assert by_gran[16]["fp8_e4m3"] == (fp8.bits_per_element, fp8.rmse)
+    # and the legend says so
+    assert format_label("nf4") == "NF4, block 64"
+    assert format_label("fp8_e4m3") == "FP8 E4M3, per channel"
+    assert format_label("nvfp4") == "NVFP4 (block 16)"
+    legend = [t.get_text() for t in explorer._ax_err.get_legend().get_texts()]
+    assert "NF4, block 64" in legend and "FP8 E5M2, per channel" in legend
+    assert set(FORMAT_GRANULARITY) == set(FAMILIES.values()) - {"int", "int_asym"}
+
+
 @pytest.mark.parametrize(
     "family,gran",
     [
@@ -178,6 +205,20 @@ def test_describe_value_without_a_finite_code():
     assert describe_value("int4", -3.4)["code"] == -3
 
 
+def test_zero_is_labelled_zero_not_minus_zero():
+    # E4M3 lists zero as -0.0; as a grid point it is shown as "0"
+    fe = FormatExplorer("fp8_e4m3fn", 0.001)
+    labels = [t.get_text() for t in fe._labels]
+    assert "0" in labels and "-0" not in labels
+    for name in ("fp8_e4m3fn", "fp6_e2m3fn", "fp8_e5m2"):
+        d = describe_value(name, 2.0**-12)
+        assert all(math.copysign(1.0, v) > 0 for v in d["window"] if v == 0)
+        assert d["below"] is None or d["below"] != 0 or math.copysign(1.0, d["below"]) > 0
+    # the decoded value keeps its sign: -0.0 encodes to the negative-zero code
+    d = describe_value("fp8_e4m3fn", -0.0)
+    assert d["code"] == 0x80 and math.copysign(1.0, d["value"]) < 0
+
+
 def test_format_explorer_widget():
     fe = FormatExplorer("fp8_e4m3fn", 0.3)
     first = fe.readout.value
@@ -235,3 +276,22 @@ def test_decode_calculator_widget():
     )
     c.device.value = "B200"
     assert c.data["n_devices"] == 1 and "B200" in c.readout.value
+
+
+# ------------------------------------------------------------------ predict, then check
+
+
+def test_check_prediction(capsys):
+    assert check_prediction(None, 0.2029, note="most people guess 0.2") is None
+    out = capsys.readouterr().out
+    assert "No prediction" in out and "0.2029" in out and "most people" in out
+    assert check_prediction(0.2, 0.2029, rel_tol=0.05) is True
+    assert check_prediction(0.1, 0.2029, rel_tol=0.05) is False
+    assert "0.49x" in capsys.readouterr().out
+    assert check_prediction(0, 0.0, abs_tol=1e-9) is True
+    assert check_prediction(" B ", "b") is True and check_prediction("a", "b") is False
+    assert check_prediction([1, -2, 4], [1, -2, 4], rel_tol=0) is True
+    assert check_prediction([1, -2, 5], [1, -2, 4], rel_tol=0) is False
+    assert check_prediction([1, -2], [1, -2, 4]) is False
+    with pytest.raises(TypeError, match="number or a choice"):
+        check_prediction([1, 2], 3.0)

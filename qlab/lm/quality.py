@@ -6,6 +6,7 @@ so a notebook can hold the baseline and several variants side by side:
     quantize_weights(model, "int4", "channel")        weight-only (W4A16-style)
     quantize_activations(model, "int8", "token")      inputs of every linear (the A of W8A8)
     quantize_kv_cache(model, "int4", "token")         K and V as stored in the KV cache
+    kv_entry_errors(model, windows, "int4", "token")  how the cache's error builds up
     prune_magnitude(model, 0.5)                       neighbour: zero the smallest weights
     low_rank(model, 32)                               neighbour: truncated SVD of each linear
     move_scale_into_layernorm(model, c, 30.0)         same function, one outlier channel
@@ -251,9 +252,12 @@ def quantize_weights(model: TinyLM, scheme, granularity: Granularity = None,
     return q
 
 
-def _drop_hooks(model: TinyLM) -> None:
-    for lin in model.linear_layers().values():
-        lin._forward_pre_hooks.clear()
+def _drop_activation_quantizers(model: TinyLM) -> None:
+    """Remove the hooks quantize_activations attached (their handles live on the model);
+    any other forward pre-hook stays."""
+    for handle in getattr(model, "activation_quantizers", []):
+        handle.remove()
+    model.activation_quantizers = []
 
 
 @torch.no_grad()
@@ -271,8 +275,8 @@ def input_absmax(model: TinyLM, windows: torch.Tensor) -> dict[str, torch.Tensor
     Activation quantizers attached to ``model`` (forward pre-hooks) are dropped first, so
     these are the inputs a quantizer would see; quantized weights or KV still apply."""
     out: dict[str, torch.Tensor] = {}
-    m = copy.deepcopy(model)
-    _drop_hooks(m)
+    m = copy.deepcopy(model)  # the copy's handles point at the copy's hooks (deepcopy memo)
+    _drop_activation_quantizers(m)
 
     def record(name):
         def hook(_mod, args):
@@ -310,8 +314,11 @@ def quantize_activations(model: TinyLM, scheme, granularity: Granularity = None,
             return (x_hat,)
         return hook
 
+    handles = list(getattr(q, "activation_quantizers", []))  # from an earlier call, if any
     for name, lin in _block_linears(q, only).items():
-        lin.register_forward_pre_hook(make_hook(None if keep_fp is None else keep_fp.get(name)))
+        keep = None if keep_fp is None else keep_fp.get(name)
+        handles.append(lin.register_forward_pre_hook(make_hook(keep)))
+    q.activation_quantizers = handles  # RemovableHandles: how input_absmax takes them off
     return q
 
 
@@ -328,6 +335,54 @@ def quantize_kv_cache(model: TinyLM, scheme, granularity: Granularity = None,
     for i in chosen:
         q.blocks[i].attn.kv_transform = lambda t: qlab.fake_quantize(t, scheme, g)
     return q
+
+
+def _cache_entries(model: TinyLM, windows: torch.Tensor,
+                   quantize: Callable[[torch.Tensor], torch.Tensor] | None) -> list[torch.Tensor]:
+    """Per layer, K and V as they arrive at the cache on windows[:, :-1], BEFORE ``quantize``
+    (which is then applied, as quantize_kv_cache does). float32 (2, N, H, T, D) each."""
+    m = copy.deepcopy(model)
+    seen: list[list[torch.Tensor]] = [[] for _ in m.blocks]
+
+    def make(i: int):
+        def transform(t: torch.Tensor) -> torch.Tensor:
+            seen[i].append(t.clone())  # the attention calls it for K, then for V
+            return t if quantize is None else quantize(t)
+        return transform
+
+    for i, block in enumerate(m.blocks):
+        block.attn.kv_transform = make(i)
+    logits(m, windows, batch=len(windows))  # one batch: K then V once per layer
+    return [torch.stack(kv) for kv in seen]
+
+
+@torch.no_grad()
+def kv_entry_errors(model: TinyLM, windows: torch.Tensor, scheme,
+                    granularity: Granularity = None) -> dict[str, torch.Tensor]:
+    """Where the error of a quantized KV cache comes from, entry by entry.
+
+    Runs ``model`` with its cache quantized (as quantize_kv_cache) and the baseline, and
+    returns float64 (n_layer, T) relative errors of the cache entries, K and V together,
+    norms over windows, heads and head_dim at each (layer, position):
+      "own":       what quantizing an entry changes, ||Q(kv) - kv|| / ||kv||
+      "inherited": how far kv already is from the baseline's before its own quantization,
+                   ||kv - kv_base|| / ||kv_base||: the error it inherited from the quantized
+                   entries of earlier layers that position t attended to (zero in layer 0).
+    """
+    g = _qlab_granularity(scheme, granularity, "kv")
+    base = _cache_entries(model, windows, None)
+    quant = _cache_entries(model, windows, lambda t: qlab.fake_quantize(t, scheme, g))
+
+    def norm_per_position(t: torch.Tensor) -> torch.Tensor:
+        # (2, N, H, T, D) -> (T,): over K/V, windows, heads and head_dim
+        return t.double().pow(2).sum(dim=(0, 1, 2, 4)).sqrt()
+
+    def rel(err: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        return norm_per_position(err) / norm_per_position(ref)
+
+    own = [rel(qlab.fake_quantize(kv, scheme, g) - kv, kv) for kv in quant]
+    inherited = [rel(kv - kv_base, kv_base) for kv, kv_base in zip(quant, base, strict=True)]
+    return {"own": torch.stack(own), "inherited": torch.stack(inherited)}
 
 
 @torch.no_grad()

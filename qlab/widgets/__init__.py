@@ -3,6 +3,7 @@
 - DecodeCalculator: model/bits/group/device -> decode ceiling, KV memory, sequences.
 - GranularityExplorer: scheme/bits/granularity/outliers -> histogram + grid, error plot.
 - FormatExplorer: format + value -> code, sign/exponent/mantissa fields, neighbours.
+- check_prediction: the "predict, then check" cells of the notebooks (plain text, no widget).
 
 Each module keeps its logic in plain functions returning plain data (decode_summary,
 explorer_data, describe_value), testable without a browser; the widget classes only
@@ -21,9 +22,11 @@ from qlab.widgets.granularity import (
     make_weights,
     measure,
 )
+from qlab.widgets.predict import check_prediction
 
 __all__ = [
     "DecodeCalculator",
+    "check_prediction",
     "FormatExplorer",
     "GranularityExplorer",
     "Measurement",

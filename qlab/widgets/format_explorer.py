@@ -51,7 +51,9 @@ def describe_value(fmt_name: str, x: float, saturate: bool = True) -> dict:
     code = int(fmt.encode(torch.tensor([float(x)], dtype=torch.float32), saturate=saturate)[0])
     fields = fmt.fields(code)
     value = float(fields["value"])
-    values = fmt.values.double().numpy()
+    # + 0.0 turns a listed -0.0 into 0.0: as a grid point zero is unsigned ("0", not "-0");
+    # the decoded value keeps its sign (code 0x80 of E4M3 really is -0)
+    values = fmt.values.double().numpy() + 0.0
     if math.isfinite(value):
         i = int(np.searchsorted(values, value))  # values[i] == value (finite codes are listed)
         below = float(values[i - 1]) if i > 0 else None

@@ -32,6 +32,7 @@ __all__ = [
     "GranularityExplorer",
     "Measurement",
     "explorer_data",
+    "format_label",
     "group_grid",
     "make_weights",
     "measure",
@@ -52,6 +53,14 @@ FAMILIES: dict[str, str] = {
 }
 INT_FAMILIES = ("int", "int_asym")
 FIXED_BLOCK = {"mxfp8_e4m3": 32, "mxfp6_e2m3": 32, "mxfp4": 32, "nvfp4": 16}  # set by the format
+# The diamonds of the error plot: each non-integer format at the granularity it is used with
+# (notebooks 03-05), whatever the slider says, so NF4 is always NF4 with blocks of 64.
+FORMAT_GRANULARITY: dict[str, str | int] = {
+    "nf4": 64,
+    "fp8_e4m3": "channel",
+    "fp8_e5m2": "channel",
+    **{f: "tensor" for f in FIXED_BLOCK},  # ignored: the format fixes its block
+}
 INT_BITS = tuple(range(2, 9))
 GRANULARITIES: tuple[str | int, ...] = ("tensor", "channel", 256, 128, 64, 32, 16)
 
@@ -241,7 +250,9 @@ def explorer_data(
                    levels_in_bulk how many of them fall inside the histogram's range
       int_curves   {"int": [...], "int_asym": [...]} Measurements over INT_BITS
       gran_curve   the chosen scheme over GRANULARITIES (one point for MX/NVFP4)
-      formats      Measurement of every non-integer family at this granularity
+      formats      Measurement of every non-integer family at its own usual granularity
+                   (FORMAT_GRANULARITY: NF4 block 64, FP8 per channel, MX/NVFP4 their
+                   block), independent of the granularity slider
       readout      the text of the numeric readout
     """
     cache = cache or _DEFAULT_CACHE
@@ -265,7 +276,7 @@ def explorer_data(
     else:
         gran_curve = [cache.measure(outlier_strength, seed, family, bits, g) for g in GRANULARITIES]
     others = [
-        cache.measure(outlier_strength, seed, f, 8, granularity)
+        cache.measure(outlier_strength, seed, f, 8, FORMAT_GRANULARITY[f])
         for f in FAMILIES.values()
         if f not in INT_FAMILIES
     ]
@@ -302,6 +313,15 @@ _FAMILY_COLOURS = {
     "mxfp4": "tab:orange",
     "nvfp4": "tab:gray",
 }
+
+
+def format_label(family: str) -> str:
+    """Legend text of a format's diamond: its name and the granularity it is drawn at."""
+    name = next(label for label, f in FAMILIES.items() if f == family)
+    if family in FIXED_BLOCK:
+        return name  # the dropdown label already says "block 32" / "block 16"
+    g = FORMAT_GRANULARITY[family]
+    return f"{name}, " + (f"block {g}" if isinstance(g, int) else f"per {g}")
 
 
 def _gran_option(g: str | int) -> tuple[str, str | int]:
@@ -426,8 +446,8 @@ class GranularityExplorer(W.VBox):
 
         self._int_lines = {}
         for f, style, label in (
-            ("int", "-o", "INT sym 2..8 bit"),
-            ("int_asym", "--s", "INT asym 2..8 bit"),
+            ("int", "-o", "INT sym 2..8 bit, this granularity"),
+            ("int_asym", "--s", "INT asym 2..8 bit, this granularity"),
         ):
             (self._int_lines[f],) = ax_e.plot(
                 [], [], style, color=_FAMILY_COLOURS[f], ms=3, lw=1, label=label
@@ -439,7 +459,7 @@ class GranularityExplorer(W.VBox):
         for f in FAMILIES.values():
             if f not in INT_FAMILIES:
                 (self._format_points[f],) = ax_e.plot(
-                    [], [], "D", color=_FAMILY_COLOURS[f], ms=5, label=f
+                    [], [], "D", color=_FAMILY_COLOURS[f], ms=5, label=format_label(f)
                 )
         (self._star,) = ax_e.plot(
             [], [], "*", color="tab:red", ms=16, mec="k", label="current", zorder=5

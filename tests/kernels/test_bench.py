@@ -53,13 +53,13 @@ def test_match_device():
     assert bench.match_device("NVIDIA A100-SXM4-80GB") == "A100 80GB"
     assert bench.match_device("NVIDIA H100 PCIe") is None  # other bandwidth: no guess
     assert bench.match_device(None) is None
-    assert bench.match_device("NVIDIA L4") == ("L4" if "L4" in qlab.cost.DEVICES else None)
-    assert bench.match_device("NVIDIA L40S") == ("L40S" if "L40S" in qlab.cost.DEVICES else None)
+    assert bench.match_device("NVIDIA L4") == "L4"
+    assert bench.match_device("NVIDIA L40S") == "L40S"
     # NVL boards and Grace Hopper have their own bandwidth and clocks: never H100 SXM/H200
     for name, key in (("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA GH200 480GB", "GH200"),
                       ("NVIDIA GH200 144G HBM3e", "GH200 144GB"),
                       ("NVIDIA H200 NVL", "H200 NVL")):  # fmt: skip
-        assert bench.match_device(name) == (key if key in qlab.cost.DEVICES else None)
+        assert bench.match_device(name) == key and key in qlab.cost.DEVICES
 
 
 def test_timing_policy(monkeypatch):

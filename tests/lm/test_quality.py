@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import qlab
 from qlab.lm import quality as Q
 
 N_WINDOWS, BLOCK = 4, 128  # 512 predictions: enough to separate 8-bit from 2-bit by 100x
@@ -56,8 +57,6 @@ def test_inputs_are_not_modified(base):
 
 
 def test_weights_are_on_the_qlab_grid(base):
-    import qlab
-
     q = Q.quantize_weights(base, "int4", "channel", only=["blocks.1.mlp.fc1"])
     w, w_q = base.blocks[1].mlp.fc1.weight, q.blocks[1].mlp.fc1.weight
     assert torch.equal(w_q, qlab.fake_quantize(w, "int4", "channel"))
@@ -168,3 +167,47 @@ def test_comparison_intervals_bracket_the_estimates(base, ref, windows):
     assert "[" in c.row_ci()
     same = Q.compare(ref, ref, windows)
     assert same.kl_ci == (0.0, 0.0) and same.ppl_change_ci == (0.0, 0.0)
+
+
+def test_activation_quantizers_are_removed_by_their_handles(base, ref, windows):
+    q = Q.quantize_activations(base, "int2", "token")
+    other = q.blocks[0].mlp.fc1.register_forward_pre_hook(lambda _m, args: None)
+    assert len(q.activation_quantizers) == len(base.linear_layers())
+    # input_absmax works on a copy without the quantizers: the same absmax as the baseline's
+    assert all(torch.equal(a, b) for a, b in zip(Q.input_absmax(q, windows[:1]).values(),
+                                                  Q.input_absmax(base, windows[:1]).values(),
+                                                  strict=True))
+    # ...and leaves q's own quantizers (and a foreign hook) in place
+    assert len(q.blocks[0].mlp.fc1._forward_pre_hooks) == 2
+    Q._drop_activation_quantizers(q)
+    assert list(q.blocks[0].mlp.fc1._forward_pre_hooks) == [other.id]  # only ours removed
+    other.remove()
+    assert torch.equal(Q.logits(q, windows), ref)
+    # stacking two calls keeps both sets of handles
+    twice = Q.quantize_activations(Q.quantize_activations(base, "int8"), "int8")
+    assert len(twice.activation_quantizers) == 2 * len(base.linear_layers())
+
+
+def test_kv_entry_errors_show_where_cache_error_comes_from(base, windows):
+    e4 = Q.kv_entry_errors(base, windows, "int4", "token")
+    e8 = Q.kv_entry_errors(base, windows, "int8", "token")
+    n_layer = len(base.blocks)
+    assert e4["own"].shape == e4["inherited"].shape == (n_layer, BLOCK)
+    # layer 0 reads the embeddings: nothing to inherit; later layers inherit from earlier ones
+    assert torch.equal(e4["inherited"][0], torch.zeros(BLOCK, dtype=torch.float64))
+    assert (e4["inherited"][1:] > 0).all() and (e4["own"] > 0).all()
+    # an int4 entry's own error is ~1/sqrt(12) of a 1/7-of-absmax step per element: ~10 %
+    assert 0.03 < float(e4["own"].mean()) < 0.2
+    assert float(e8["own"].mean()) < float(e4["own"].mean()) / 8  # 4 more bits: ~18x finer
+    # position 0 attends to one entry only; later positions inherit from every earlier one
+    late, first = e4["inherited"][1:, -BLOCK // 4:].mean(), e4["inherited"][1:, 0].mean()
+    assert late > 1.5 * first
+    # the quantized run is the model quantize_kv_cache builds: record what its cache receives
+    q = Q.quantize_kv_cache(base, "int4", "token")
+    received = [[] for _ in q.blocks]
+    for i, block in enumerate(q.blocks):
+        quantizer = block.attn.kv_transform
+        block.attn.kv_transform = lambda t, i=i, f=quantizer: received[i].append(t) or f(t)
+    Q.logits(q, windows, batch=len(windows))
+    ours = Q._cache_entries(base, windows, lambda t: qlab.fake_quantize(t, "int4", "channel"))
+    assert all(torch.equal(torch.stack(r), o) for r, o in zip(received, ours, strict=True))
