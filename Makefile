@@ -10,7 +10,7 @@ PYTEST_NB := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
 # (on Linux, PyPI's torch is the multi-GB CUDA build): make lab TORCH_INDEX=<url>
 TORCH_INDEX ?=
 
-.PHONY: setup lab test bench clean
+.PHONY: setup lab test bench clean system-deps
 
 setup: $(STAMP)
 
@@ -34,3 +34,31 @@ bench: setup
 
 clean:
 	rm -rf $(VENV)
+
+# Debian/Ubuntu system tools the tests use: chromium (browser tests) and bubblewrap
+# (`qlab grade` sandboxes each student kernel with bwrap). Needs root or sudo.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+system-deps:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v bwrap >/dev/null 2>&1; then \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium bubblewrap >/dev/null; \
+	fi
+
+# The course as a static website in site/ (docs/SITE.md): executes every notebook with
+# nbclient, then renders with Sphinx + MyST-NB. SITE_ARGS passes options to the build,
+# e.g. SITE_ARGS="--only 00 02" (some chapters) or SITE_ARGS=--solutions (publish those too).
+SITE_ARGS ?=
+.PHONY: site exercises
+site: setup
+	$(BIN)/python docs/site/build.py --out site $(SITE_ARGS)
+
+# Your copies of the exercises in my_work/ (git-ignored): a copy already there is never
+# replaced, so this is safe to rerun; delete your copy to start an exercise over.
+exercises:
+	@mkdir -p my_work
+	@for f in exercises/[0-9][0-9]_*.ipynb; do \
+	  d="my_work/$${f#exercises/}"; \
+	  if [ -e "$$d" ]; then echo "kept   $$d (yours: not replaced)"; \
+	  else cp "$$f" "$$d" && echo "copied $$d"; fi; \
+	done
+	@echo "work in my_work/: open it in JupyterLab (make lab)"

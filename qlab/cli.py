@@ -2,7 +2,9 @@
 
     qlab assign [--source solutions] [--dest exercises] [--check]
     qlab grade SUBMISSION... --out DIR [--jobs N] [--timeout S] [--wall S] [--mem-mb MB]
-               [--seed N] [--assignment NAME] [--env KEY=VALUE]
+               [--seed N] [--assignment NAME] [--env KEY=VALUE] [--sandbox auto|on|off]
+               [--shard I/N]
+    qlab grade merge DIR... --out DIR     (combine the results of --shard runs)
 
 To add a subcommand (e.g. ``bench``): write ``_add_bench(sub)`` that creates its parser
 with ``set_defaults(func=...)`` and append it to ``_COMMANDS``.
@@ -54,7 +56,7 @@ def _add_assign(sub) -> None:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from qlab.grading.grader import GradeOptions, grade_many
+    from qlab.grading.grader import GradeOptions, grade_many, parse_shard
 
     env = {}
     for item in args.env:
@@ -63,6 +65,18 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print(f"--env takes KEY=VALUE, got {item!r}", file=sys.stderr)
             return 2
         env[key] = value
+    try:
+        shard = parse_shard(args.shard) if args.shard else None
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if shard and not args.seed:
+        print(
+            "--shard needs --seed: every shard must draw inputs from the same run seed "
+            "(e.g. --seed 20260901)",
+            file=sys.stderr,
+        )
+        return 2
     opts = GradeOptions(
         timeout=args.timeout,
         wall=args.wall,
@@ -70,22 +84,58 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         seed=args.seed,
         assignment=args.assignment,
         env=env,
+        sandbox=args.sandbox,
     )
     missing = [p for p in args.submissions if not Path(p).exists()]
     if missing:
         print(f"no such file or folder: {', '.join(missing)}", file=sys.stderr)
         return 2
-    rows = grade_many(
-        args.submissions, args.out, jobs=args.jobs, opts=opts, progress=not args.quiet
-    )
+    try:
+        rows = grade_many(
+            args.submissions, args.out, args.jobs, opts, progress=not args.quiet, shard=shard
+        )
+    except (RuntimeError, ValueError) as e:  # --sandbox on without bwrap; hidden folders
+        print(f"qlab grade: {e}", file=sys.stderr)
+        return 2
+    where = f"{args.out}/shard-{shard[0]}-of-{shard[1]}" if shard else args.out
+    if not rows and shard:  # a small class leaves some slices empty: not an error
+        print(f"no submissions fall in shard {args.shard}; wrote an empty {where}/grades.json")
+        return 0
     if not rows:
         print("no notebooks (*.ipynb) found to grade", file=sys.stderr)
         return 1
-    errors = [k for k, r in rows.items() if r.get("status") != "graded"]
-    print(f"graded {len(rows)} submission(s) -> {args.out}/grades.csv, grades.json")
-    for k in errors:
-        print(f"  {k}: " + "; ".join(rows[k].get("log", [])), file=sys.stderr)
+    print(f"graded {len(rows)} submission(s) -> {where}/grades.csv, grades.json")
+    for k, r in sorted(rows.items()):
+        if r.status != "graded" or r.flags:
+            print(f"  {k} [{r.status}]: " + "; ".join([*r.flags, *r.log])[:500], file=sys.stderr)
     return 0
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from qlab.grading.grader import merge
+
+    try:
+        info = merge(args.folders, args.out)
+    except ValueError as e:
+        print(f"qlab grade merge: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"merged {len(info['merged_from'])} result(s), {info['rows']} submission(s) -> "
+        f"{args.out}/grades.csv, grades.json"
+    )
+    return 0
+
+
+def _add_merge(sub) -> None:
+    p = sub.add_parser(
+        "grade-merge",
+        help="combine the results of `qlab grade --shard` runs (also: qlab grade merge)",
+        description="Find every grades.json under the folders (one per shard) and write "
+        "OUT/grades.json and OUT/grades.csv. All shards of the run must be there.",
+    )
+    p.add_argument("folders", nargs="+", help="folders holding the shards' results")
+    p.add_argument("--out", required=True, help="folder for the merged grades")
+    p.set_defaults(func=_cmd_merge)
 
 
 def _add_grade(sub) -> None:
@@ -94,7 +144,8 @@ def _add_grade(sub) -> None:
         help="grade submitted notebooks",
         description="Run each notebook in a sandboxed kernel, call its "
         "functions on fresh inputs, compare with qlab. Writes DIR/grades.csv "
-        "and DIR/grades.json; re-running resumes (graded files are skipped).",
+        "and DIR/grades.json; re-running resumes (graded files are skipped). "
+        "`qlab grade merge DIR... --out DIR` combines the results of --shard runs.",
     )
     p.add_argument("submissions", nargs="+", help="notebooks or folders of notebooks")
     p.add_argument("--out", required=True, help="output folder")
@@ -123,7 +174,8 @@ def _add_grade(sub) -> None:
     p.add_argument(
         "--assignment",
         default=None,
-        help="assignment name, e.g. 01_affine (default: from the notebook)",
+        help="assignment name, e.g. 01_affine (default: from the file name, else the "
+        "notebook metadata)",
     )
     p.add_argument(
         "--env",
@@ -132,11 +184,29 @@ def _add_grade(sub) -> None:
         metavar="KEY=VALUE",
         help="environment variable for the grading kernels (repeatable)",
     )
+    _add_grade_isolation(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_grade)
 
 
-_COMMANDS = [_add_assign, _add_grade]
+def _add_grade_isolation(p) -> None:
+    p.add_argument(
+        "--sandbox",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="isolate each kernel with bubblewrap: auto (when bwrap works here, else warn "
+        "and grade without), on (stop if it does not work), off (default auto)",
+    )
+    p.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="grade only slice I of N (by a hash of each submission's name) into "
+        "OUT/shard-I-of-N/; needs --seed; combine with `qlab grade merge`",
+    )
+
+
+_COMMANDS = [_add_assign, _add_grade, _add_merge]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _COMMANDS:
         add(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["grade", "merge"]:  # `qlab grade merge` = `qlab grade-merge`
+        argv = ["grade-merge", *argv[2:]]
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

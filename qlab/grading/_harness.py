@@ -16,7 +16,9 @@ rebuilds tensors from bytes in its own process (:func:`decode` validates every f
 
 import base64
 import json
+import os
 import sys
+import traceback
 
 import numpy as np
 import torch
@@ -132,28 +134,116 @@ def loads(text: str):
     return decode(json.loads(text))
 
 
-def run_cases(fn, cases):
-    """Call fn(*args) for each case; return one plain record per case."""
+def run_cases(fn, cases, guard=None, cell_names=False):
+    """Call fn(*args) for each case; return one plain record per case.
+
+    guard: a context manager factory entered around each call (e.g. the Triton
+    out-of-bounds checker), or None. An error record names the line of the student's
+    code it came from (``Cell In[5], line 3`` with ``cell_names`` in IPython).
+    """
     records = []
     for args in cases:
         try:
-            out = fn(*args)
+            if guard is None:
+                out = fn(*args)
+            else:
+                with guard():
+                    out = fn(*args)
             records.append({"ok": encode(out)})
         except (Exception, SystemExit) as e:  # the student's error is the result
-            records.append({"error": f"{type(e).__name__}: {e}"[:500]})
+            records.append({"error": _describe(e)[:500] + where(e, cell_names)})
     return records
 
 
-def _kernel_main(user_ns, func_name, payload, nonce, limit):
-    """Entry point inside the student's kernel (called by the grader's cell)."""
+def _describe(exc):
+    """'Type: message'; Triton's InterpreterError("ValueError(...)") shows the error inside."""
+    inner, depth = exc, 0
+    while type(inner).__name__ == "InterpreterError" and inner.__cause__ and depth < 8:
+        inner, depth = inner.__cause__, depth + 1
+    if inner is not exc:
+        return f"{type(inner).__name__}: {inner} (in a Triton kernel)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _library_roots():
+    """Folders whose code is not the student's: Python, site-packages, qlab, this file."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    for name in ("qlab", "qlab.kernels"):
+        mod = sys.modules.get(name)
+        roots.update(getattr(mod, "__path__", None) or [])
+    own = globals().get("__file__")
+    if own:
+        roots.add(os.path.dirname(own))
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
+
+
+def _is_student(filename, roots):
+    if filename.startswith("<"):  # exec'd code: the grader's own, or a test's cell
+        return not filename.startswith(("<frozen", "<qlab"))
+    return not os.path.realpath(filename).startswith(roots)
+
+
+def where(exc, cell_names=False):
+    """' (Cell In[5], line 3: `src`)' for the student's line an exception came from, or ''.
+
+    Follows the exception's cause chain from the original error outwards (Triton's
+    interpreter re-raises kernel errors as InterpreterError from the original one, whose
+    traceback holds the kernel's own line) and takes the innermost student frame.
+    """
+    chain, e = [], exc
+    while e is not None and len(chain) < 8 and all(e is not c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    roots = _library_roots()
+    for e in reversed(chain):
+        tb = traceback.extract_tb(e.__traceback__)
+        frames = [f for f in tb if _is_student(f.filename, roots)]
+        if frames:
+            f = frames[-1]
+            src = (f.line or "").strip()[:120]
+            return f" ({_label(f.filename, f.lineno, cell_names)}" + (f": `{src}`)" if src else ")")
+    return ""
+
+
+def _label(filename, lineno, cell_names):
+    if cell_names:
+        shell = getattr(__import__("builtins"), "get_ipython", lambda: None)()
+        name = None
+        try:
+            name = shell.compile.format_code_name(filename)
+        except Exception:  # noqa: BLE001 - no IPython, or another version: plain names
+            pass
+        if name:
+            return f"{name[0]} {name[1]}, line {lineno}"
+    if filename.startswith("<") or os.path.basename(filename)[:1].isdigit():
+        return f"line {lineno}"  # exec'd code, or an IPython cell file: the line says enough
+    return f"{filename}, line {lineno}"
+
+
+def _kernel_main(user_ns, func_name, payload, result_path, limit, guard_src=None):
+    """Entry point inside the student's kernel (called by the grader's cell).
+
+    Writes the result as one JSON document to ``result_path`` (not to stdout, which the
+    student may have replaced): first to a temporary name, then renamed, so the grader
+    never reads half a file. ``guard_src``: source of a self-contained module whose
+    ``checking()`` is entered around each call (None: no guard).
+    """
     cases = [decode(c) for c in json.loads(base64.b64decode(payload))]
+    guard = None
+    if guard_src:
+        ns = {"__name__": "__qlab_guard__"}
+        exec(compile(guard_src, "<qlab guard>", "exec"), ns)
+        guard = ns.get("checking")
     fn = user_ns.get(func_name)
     if fn is None or not callable(fn):
         result = {"missing": f"no function named {func_name!r} is defined in the notebook"}
     else:
-        result = {"records": run_cases(fn, cases)}
+        result = {"records": run_cases(fn, cases, guard)}
     text = json.dumps(result, separators=(",", ":"), allow_nan=False)
     if len(text) > limit:
-        text = json.dumps({"missing": f"the output of {func_name} is too large to grade"})
-    sys.stdout.write("\n" + nonce + " " + text + "\n")
-    sys.stdout.flush()
+        too_big = f"the result of {func_name} is larger than {limit // 2**20} MB"
+        text = json.dumps({"missing": too_big})
+    tmp = result_path + ".part"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, result_path)

@@ -103,18 +103,47 @@ def read_notebook(path: str | Path) -> nbformat.NotebookNode:
     return nbformat.read(str(path), as_version=4)
 
 
-def assignment_of(nb: nbformat.NotebookNode | None, path: Path, known: list[str]) -> str | None:
-    """Which assignment a submission is: metadata set by `qlab assign`, else the file name."""
-    if nb is not None:
-        meta = nb.get("metadata", {}).get("qlab", {})
-        name = meta.get("assignment") if isinstance(meta, dict) else None
-        if isinstance(name, str) and name in known:
-            return name
-    stem = path.stem
-    for name in sorted(known, key=len, reverse=True):
-        if name in stem:
-            return name
-    return None
+def _named_in(text: str, known: list[str]) -> list[str]:
+    """Known assignment names that occur in ``text``, minus those inside a longer match."""
+    hits = [n for n in known if n in text]
+    return [n for n in hits if not any(n != m and n in m for m in hits)]
+
+
+def assignment_of(
+    nb: nbformat.NotebookNode | None, path: Path, known: list[str], forced: str | None = None
+) -> tuple[str | None, list[str]]:
+    """Which assignment a submission is graded as, and flags where the sources disagree.
+
+    Sources, in order: ``forced`` (the instructor's ``--assignment``); the file name (its
+    stem, else its folder's name), which the instructor's collection controls; the
+    notebook metadata that ``qlab assign`` writes (``metadata.qlab.assignment``), which
+    travels with a copied notebook. The first that names exactly one assignment wins; a
+    later source that names a different one is flagged (``name_mismatch: ...``), never
+    silently ignored.
+    """
+    meta = nb.get("metadata", {}).get("qlab", {}) if nb is not None else {}
+    meta_name = meta.get("assignment") if isinstance(meta, dict) else None
+    by_meta = meta_name if isinstance(meta_name, str) and meta_name in known else None
+    by_name = None
+    for part in (path.stem, path.parent.name):
+        hits = _named_in(part, known)
+        if len(hits) == 1:
+            by_name = hits[0]
+            break
+    flags = []
+    sources = [("--assignment", forced), ("file name", by_name), ("notebook metadata", by_meta)]
+    chosen = next(((src, n) for src, n in sources if n is not None), None)
+    if chosen is None:
+        return None, flags
+    for src, n in sources:
+        if n is not None and n != chosen[1]:
+            flags.append(
+                f"name_mismatch: the {src} says {n}, the {chosen[0]} says {chosen[1]}; "
+                f"graded as {chosen[1]} (the {chosen[0]})"
+            )
+    if isinstance(meta_name, str) and meta_name and by_meta is None:
+        flags.append(f"unknown_assignment: the notebook metadata names {meta_name[:80]!r}")
+    return chosen[1], flags
 
 
 def assign_dir(source: Path, dest: Path, check: bool = False) -> list[str]:

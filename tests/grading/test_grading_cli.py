@@ -35,3 +35,20 @@ def test_grade_empty_folder(tmp_path, capsys):
 def test_grade_bad_env(tmp_path, capsys):
     assert main(["grade", str(tmp_path), "--out", str(tmp_path / "o"), "--env", "NOEQUALS"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_grade_merge_is_a_subcommand(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["grade", "merge", "--help"])
+    assert e.value.code == 0
+    assert "shard" in capsys.readouterr().out
+    assert main(["grade", "merge", str(tmp_path), "--out", str(tmp_path / "m")]) == 2
+    assert "no grades.json" in capsys.readouterr().err
+
+
+def test_an_empty_shard_is_not_an_error(tmp_path, capsys):
+    (tmp_path / "subs").mkdir()
+    argv = ["grade", str(tmp_path / "subs"), "--out", str(tmp_path / "o"), "--quiet"]
+    assert main([*argv, "--shard", "2/3", "--seed", "5", "--sandbox", "off"]) == 0
+    assert "no submissions fall in shard 2/3" in capsys.readouterr().out
+    assert (tmp_path / "o" / "shard-2-of-3" / "grades.json").exists()

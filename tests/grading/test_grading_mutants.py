@@ -283,11 +283,15 @@ def test_csv_has_one_row_per_submission(graded):
     rows = graded["rows"]
     assert sorted(r["submission"] for r in rows) == sorted(CASES)
     header = list(rows[0])
-    assert header[0] == "submission" and header[-2:] == ["total", "max"]
-    assert set(header[1:-2]) == {g for a in CORE_ASSIGNMENTS for g in assignments()[a]}
+    assert header[:3] == ["submission", "assignment", "status"]
+    assert header[-4:] == ["total", "max", "isolation", "flags"]
+    assert set(header[3:-4]) == {g for a in CORE_ASSIGNMENTS for g in assignments()[a]}
     by = {r["submission"]: r for r in rows}
     assert by["solution_06_wxay"]["total"] == by["solution_06_wxay"]["max"] == "7"
     assert by["solution_06_wxay"]["sym_quantize"] == ""  # not this assignment's task
+    assert by["solution_06_wxay"]["assignment"] == "06_wxay"
+    assert by["malformed_04_fp8"]["status"] == "graded"  # zero points, final
+    assert {r["isolation"] for r in rows} == {graded["doc"]["isolation"]}
 
 
 def test_speed(graded):
@@ -346,8 +350,9 @@ def test_wall_clock_limit_costs_the_rest(tmp_path):
     path = tmp_path / "slow_01_affine.ipynb"
     nbformat.write(nb, str(path))
     start = time.monotonic()
-    row = grade_submission(path, "slow", GradeOptions(timeout=60, wall=6, seed=SEED))
-    assert time.monotonic() - start < 40
-    assert row["total"] == 0 and row["max"] == 5
-    assert "did not finish" in row["tasks"]["sym_quantize"]["feedback"]
-    assert "wall-clock" in row["tasks"]["affine_dequantize"]["feedback"]
+    # wall 20 s: the kernel start and the cells fit (even on a busy machine), the loop does not
+    row = grade_submission(path, "slow", GradeOptions(timeout=60, wall=20, seed=SEED))
+    assert time.monotonic() - start < 60
+    assert row.total == 0 and row.max == 5
+    assert "did not finish" in row.tasks["sym_quantize"]["feedback"]
+    assert "wall-clock" in row.tasks["affine_dequantize"]["feedback"]
