@@ -30,9 +30,27 @@ __all__ = [
     "evaluate",
     "TaskResult",
     "case_seed",
+    "tasks_for",
+    "Mismatch",
 ]
 
 Case = tuple  # positional arguments of one call
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Where a result first differs: which output (a name from ``names``, or "output"), the
+    index into it (``()`` for a scalar), and the two values there."""
+
+    output: str
+    index: tuple[int, ...]
+    expected: Any
+    got: Any
+
+
+# explain(args, mismatch) -> the spec's intermediate quantities at that element (scale,
+# zero point, x / s, whether it is a tie, the byte in hex...), or None
+Explain = Callable[[Case, Mismatch], "str | None"]
 Comparator = Callable[[Any, Any, Case], "str | None"]
 
 
@@ -46,41 +64,52 @@ def compare_values(
     signed_zero: bool = False,
     names: tuple[str, ...] = (),
     path: str = "output",
+    explain: Explain | None = None,
 ) -> str | None:
     """None when ``got`` matches ``expected``, else a hint naming the first bad element.
 
     Tensors: same shape; integer references need an integer tensor; floats match when
     |got - expected| <= atol + rtol * |expected| (0, 0: bit-exact values; NaN matches NaN;
     with ``signed_zero`` -0.0 and +0.0 differ). Tuples match element by element.
+    ``explain`` adds what the spec computes at the first bad element; without it, the
+    input with the output's shape is shown at that index (fine for elementwise tasks).
     """
+    opts = dict(rtol=rtol, atol=atol, signed_zero=signed_zero, explain=explain)
     if isinstance(expected, tuple):
         if type(got) is not tuple or len(got) != len(expected):
             what = ", ".join(names) if names else f"{len(expected)} values"
             return f"{path}: expected a tuple ({what}), got {_kind(got)}"
         for i, (e, g) in enumerate(zip(expected, got, strict=True)):
             sub = names[i] if i < len(names) else f"{path}[{i}]"
-            hint = compare_values(
-                e, g, args, rtol=rtol, atol=atol, signed_zero=signed_zero, path=sub
-            )
+            hint = compare_values(e, g, args, path=sub, **opts)
             if hint:
                 return hint
         return None
     if expected is None:
         return None if got is None else f"{path}: expected None, got {_kind(got)}"
-    if isinstance(expected, (bool, int, float)) and not isinstance(expected, torch.Tensor):
-        if type(got) in (bool, int, float):
-            g = got
-        elif isinstance(got, torch.Tensor) and got.numel() == 1:
-            g = got.reshape(()).item()
-        else:
-            return f"{path}: expected a number, got {_kind(got)}"
-        e_t = torch.tensor(expected, dtype=torch.float64)
-        g_t = torch.tensor(g, dtype=torch.float64)
-        if _bad_mask(e_t, g_t, rtol, atol, signed_zero).item():
-            return f"{path}: expected {expected!r}, got {g!r}" + _tol_note(rtol, atol)
-        return None
+    if isinstance(expected, (bool, int, float)):
+        return _compare_number(expected, got, args, path, **opts)
     if not isinstance(expected, torch.Tensor):
         raise TypeError(f"reference returned {type(expected).__name__}; fix the task")
+    return _compare_tensor(expected, got, args, path, **opts)
+
+
+def _compare_number(expected, got, args, path, *, rtol, atol, signed_zero, explain):
+    if type(got) in (bool, int, float):
+        g = got
+    elif isinstance(got, torch.Tensor) and got.numel() == 1:
+        g = got.reshape(()).item()
+    else:
+        return f"{path}: expected a number, got {_kind(got)}"
+    e_t = torch.tensor(expected, dtype=torch.float64)
+    g_t = torch.tensor(g, dtype=torch.float64)
+    if not _bad_mask(e_t, g_t, rtol, atol, signed_zero).item():
+        return None
+    note = _explained(explain, args, Mismatch(path, (), expected, g))
+    return f"{path}: expected {expected!r}, got {g!r}" + _tol_note(rtol, atol) + note
+
+
+def _compare_tensor(expected, got, args, path, *, rtol, atol, signed_zero, explain):
     if type(got) in (int, float, bool) and expected.ndim == 0:
         got = torch.tensor(got)
     if not isinstance(got, torch.Tensor):
@@ -104,18 +133,26 @@ def compare_values(
     if n_bad == 0:
         return None
     flat = int(bad.reshape(-1).nonzero()[0, 0])
-    idx = (
-        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
-        if expected.ndim
-        else ()
-    )
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
     e_val, g_val = expected.reshape(-1)[flat].item(), got.reshape(-1)[flat].item()
     where = f"{path}[{', '.join(map(str, idx))}]" if idx else path
     msg = (
         f"{where}: expected {_fmt(e_val)}, got {_fmt(g_val)} "
-        f"({n_bad} of {expected.numel()} elements differ)"
+        f"({n_bad} of {expected.numel()} elements differ)" + _tol_note(rtol, atol)
     )
-    return msg + _input_note(args, expected.shape, idx) + _tol_note(rtol, atol)
+    if explain is None:
+        return msg + _input_note(args, expected.shape, idx)
+    return msg + _explained(explain, args, Mismatch(path, idx, e_val, g_val))
+
+
+def _explained(explain: Explain | None, args: Case, where: Mismatch) -> str:
+    if explain is None:
+        return ""
+    try:
+        note = explain(args, where)
+    except Exception:  # noqa: BLE001 - an explanation must never hide the mismatch itself
+        return ""
+    return f"; {note}" if note else ""
 
 
 def _bad_mask(e, g, rtol, atol, signed_zero):
@@ -157,21 +194,29 @@ def _input_note(args: Case, shape: torch.Size, idx: tuple) -> str:
     return ""
 
 
-def exact(names: tuple[str, ...] = (), signed_zero: bool = False) -> Comparator:
+def exact(
+    names: tuple[str, ...] = (), signed_zero: bool = False, explain: Explain | None = None
+) -> Comparator:
     """Bit-exact comparison of values (integers, and floats where the arithmetic is the same)."""
 
     def cmp(expected, got, args):
-        return compare_values(expected, got, args, names=names, signed_zero=signed_zero)
+        return compare_values(
+            expected, got, args, names=names, signed_zero=signed_zero, explain=explain
+        )
 
     cmp.describe = "bit-exact"
     return cmp
 
 
-def close(rtol: float, atol: float = 0.0, names: tuple[str, ...] = ()) -> Comparator:
+def close(
+    rtol: float, atol: float = 0.0, names: tuple[str, ...] = (), explain: Explain | None = None
+) -> Comparator:
     """|got - expected| <= atol + rtol*|expected|; give the reason for the tolerance in the task."""
 
     def cmp(expected, got, args):
-        return compare_values(expected, got, args, rtol=rtol, atol=atol, names=names)
+        return compare_values(
+            expected, got, args, rtol=rtol, atol=atol, names=names, explain=explain
+        )
 
     cmp.describe = f"rtol={rtol:g}, atol={atol:g}"
     return cmp
@@ -189,7 +234,9 @@ class Task:
     reference:  *args -> expected value, calling qlab.
     compare:    (expected, got, args) -> None or a hint string.
     kernel_env: environment variables the grading kernel needs for this task (set when
-                the kernel starts), e.g. {"TRITON_INTERPRET": "1"} for Triton exercises.
+                the kernel starts), e.g. {"TRITON_INTERPRET": "1"} for Triton exercises
+                (which also marks a kernel task: its calls run under tasks/_bounds.py's
+                out-of-bounds checker and, in ``check``, in a child process).
     """
 
     grade_id: str
@@ -212,6 +259,33 @@ def register(task: Task) -> Task:
     if old is not None and old is not task:
         raise ValueError(f"grade_id {task.grade_id!r} is registered twice")
     _TASKS[task.grade_id] = task
+    return task
+
+
+def tasks_for(assignment: str, **defaults: Any) -> Callable[..., Callable]:
+    """A decorator factory for one task module: ``task = tasks_for("01_affine")``, then
+
+        @task("sym_quantize", "symmetric_quantize", points=2, reference=..., compare=...)
+        def _sym_cases(g): ...
+
+    registers Task(grade_id, func_name, assignment=assignment, cases=<the function>, ...).
+    ``defaults`` (e.g. kernel_env) apply to every task of the module."""
+
+    def task(grade_id: str, func_name: str, **fields: Any) -> Callable:
+        def decorate(cases: Callable[[torch.Generator], list[Case]]) -> Callable:
+            register(
+                Task(
+                    grade_id=grade_id,
+                    func_name=func_name,
+                    assignment=assignment,
+                    cases=cases,
+                    **{**defaults, **fields},
+                )
+            )
+            return cases
+
+        return decorate
+
     return task
 
 
@@ -263,6 +337,7 @@ class TaskResult:
     passed: bool
     feedback: str
     n_cases: int = 0
+    failed_case: int | None = None  # index of the case that failed (None: passed, or no case)
 
 
 def describe_args(args: Case) -> str:
@@ -280,8 +355,8 @@ def evaluate(
 ) -> TaskResult:
     """Score one task from the plain records its function produced (grader process)."""
 
-    def fail(msg: str) -> TaskResult:
-        return TaskResult(task.grade_id, 0, task.points, False, msg, len(cases))
+    def fail(msg: str, case: int | None = None) -> TaskResult:
+        return TaskResult(task.grade_id, 0, task.points, False, msg, len(cases), case)
 
     if missing is not None:
         return fail(missing)
@@ -290,20 +365,20 @@ def evaluate(
     for i, (args, rec) in enumerate(zip(cases, records, strict=True)):
         label = f"case {i + 1} of {len(cases)} {task.func_name}{describe_args(args)}"
         if type(rec) is not dict:
-            return fail(f"{label}: malformed result")
+            return fail(f"{label}: malformed result", i)
         if "error" in rec:
-            return fail(f"{label} raised {str(rec['error'])[:300]}")
+            return fail(f"{label} raised {str(rec['error'])[:600]}", i)
         try:
             got = _harness.decode(rec.get("ok"))
         except (_harness.WireError, ValueError, TypeError) as e:
-            return fail(f"{label}: could not read the result ({e})")
+            return fail(f"{label}: could not read the result ({e})", i)
         expected = task.reference(*_clone(args))  # a failing reference is a task bug: raise
         try:
             hint = task.compare(expected, got, args)
         except Exception as e:  # noqa: BLE001 - odd values (e.g. bool vs complex) fail the case
             hint = f"could not compare the result ({type(e).__name__}: {e})"
         if hint:
-            return fail(f"{label}: {hint}")
+            return fail(f"{label}: {hint}", i)
     return TaskResult(
         task.grade_id, task.points, task.points, True, f"passed {len(cases)} cases", len(cases)
     )

@@ -27,12 +27,15 @@ def solution_sources() -> dict[str, str]:
     return out
 
 
-def build_mutants(edits: Edits) -> dict[str, list[tuple[str, str]]]:
-    """grade_id -> [(mutant name, mutated cell source), ...]."""
+def build_mutants(
+    edits: Edits, written: dict[str, list[tuple[str, str]]] | None = None
+) -> dict[str, list[tuple[str, str]]]:
+    """grade_id -> [(mutant name, mutated cell source), ...]: the ``written`` ones (whole
+    cell sources, for bugs that are no small edit) first, then the edits."""
     sources = solution_sources()
-    mutants = {}
+    mutants = {gid: list(items) for gid, items in (written or {}).items()}
     for gid, variants in edits.items():
-        mutants[gid] = []
+        mutants.setdefault(gid, [])
         for name, changes in variants:
             src = sources[gid]
             for old, new in changes:

@@ -19,44 +19,64 @@ FLIPPED = "flipped = a_logits.argmax(dim=-1) != b_logits.argmax(dim=-1)"
 # grade_id -> [(name, [(old, new), ...])]: every `old` must occur in the solution cell.
 _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "perplexity": [
-        ("no exp: the mean NLL (cross-entropy)", [(PPL_RETURN, "return nll.mean().item()")]),
-        ("2 ** NLL in nats (log bases mixed)", [(PPL_RETURN, "return 2 ** nll.mean().item()")]),
-        ("targets not shifted", [("targets = windows[:, 1:]", "targets = windows[:, :-1]")]),
+        ("Q2 no exp: the mean NLL (cross-entropy)", [(PPL_RETURN, "return nll.mean().item()")]),
+        ("Q2 2 ** NLL in nats (log bases mixed)", [(PPL_RETURN, "return 2 ** nll.mean().item()")]),
+        ("Q1 targets not shifted", [("targets = windows[:, 1:]", "targets = windows[:, :-1]")]),
         (
-            "mean of per-window perplexities",
+            "Q2 mean of per-window perplexities",
             [(PPL_RETURN, "return nll.mean(dim=1).exp().mean().item()")],
         ),
         (
-            "NLL in bits, then exp",
+            "Q2 NLL in bits, then exp",
             [(PPL_RETURN, "return math.exp(nll.mean().item() / math.log(2))")],
+        ),
+        (
+            "Q3 log(softmax): a target probability underflows to log 0",
+            [("torch.log_softmax(logits, dim=-1)", "torch.log(torch.softmax(logits, dim=-1))")],
         ),
     ],
     "kl_divergence": [
         (
-            "KL(Q || P): the wrong direction",
+            "K1 KL(Q || P): the wrong direction",
             [(KL_SUM, "kl = (log_q.exp() * (log_q - log_p)).sum(dim=-1)")],
         ),
-        ("log base 2 (bits, not nats)", [(KL_RETURN, "return (kl / math.log(2)).mean().item()")]),
-        ("sum over positions, not mean", [(KL_RETURN, "return kl.sum().item()")]),
         (
-            "log(softmax) underflows to log 0",
+            "K2 log base 2 (bits, not nats)",
+            [(KL_RETURN, "return (kl / math.log(2)).mean().item()")],
+        ),
+        ("K2 sum over positions, not mean", [(KL_RETURN, "return kl.sum().item()")]),
+        (
+            "K3 log(softmax) underflows to log 0",
             [
                 ("torch.log_softmax(p_logits, dim=-1)", "torch.log(torch.softmax(p_logits, -1))"),
                 ("torch.log_softmax(q_logits, dim=-1)", "torch.log(torch.softmax(q_logits, -1))"),
             ],
         ),
+        (
+            "K3 log(softmax) with nan_to_num",
+            [
+                (
+                    "torch.log_softmax(p_logits, dim=-1)",
+                    "torch.nan_to_num(torch.log(torch.softmax(p_logits, -1)))",
+                ),
+                (
+                    "torch.log_softmax(q_logits, dim=-1)",
+                    "torch.nan_to_num(torch.log(torch.softmax(q_logits, -1)))",
+                ),
+            ],
+        ),
     ],
     "flip_rate": [
         (
-            "equal argmax counted as flips (the agreement rate)",
+            "R1 equal argmax counted as flips (the agreement rate)",
             [(FLIPPED, FLIPPED.replace("!=", "=="))],
         ),
         (
-            "any changed logit counted as a flip",
+            "R1 any changed logit counted as a flip",
             [(FLIPPED, "flipped = (a_logits != b_logits).any(dim=-1)")],
         ),
         (
-            "number of flips, not the fraction",
+            "R2 number of flips, not the fraction",
             [("flipped.double().mean().item()", "flipped.double().sum().item()")],
         ),
     ],

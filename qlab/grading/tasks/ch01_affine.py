@@ -1,58 +1,131 @@
-"""Chapter 01 (affine quantization): symmetric, asymmetric, dequantize. Per tensor."""
+"""Chapter 01 (affine quantization): symmetric, asymmetric, dequantize. Per tensor.
+
+Spec clauses, and the fixed case (present on every seed) in which breaking each one
+changes the answer (tests/grading/grading_bank.py holds a mutant per clause):
+
+sym_quantize(x, bits) -> (codes int8, scale fp16 0-d)
+  S1 grid -qmax..qmax, qmax = 2^(b-1) - 1 .......................... every case
+  S2 scale = fp16(amax / qmax), stored as float16 ................... every nonzero case
+  S3 codes divide by the STORED fp16 scale, not the fp32 one ........ "fp16 straddle"
+  S4 a true division x / s, not x * (1 / s) ......................... "ties" (trap scale)
+  S5 round half to even, both signs ................................. "ties"
+  (the clamp to +-qmax never acts: |x / s| <= qmax * (1 + 2^-11) < qmax + 0.5; an all-zero
+  tensor ("zeros", every run) must give scale 0 and codes 0, but without the divide-by-1
+  guard 0 / 0 = NaN casts to code 0 on this torch: the guard is advice, not graded)
+asym_quantize(x, bits) -> (codes uint8, scale fp16, zero_point uint8)
+  A1 range includes 0: lo = min(x, 0), hi = max(x, 0) ............... all >= 0 / all <= 0
+  A2 scale = fp16((hi - lo) / (2^b - 1)) ............................ every case
+  A3 z = round(-lo / s) with the STORED scale ....................... "fp16 straddle"
+  A4 z rounds half to even .......................................... "z tie, k even"
+  A5 codes = round(x / s) + z: round first (z odd moves RNE ties) ... "code ties, z odd"
+  A6 codes clamped to [0, 2^b - 1] (a tie can reach 2^b) ............ "z tie, k odd"
+  A7 codes divide by the stored fp16 scale .......................... "fp16 straddle"
+  (z's own clamp never acts: -lo / s <= (2^b - 1)(1 + 2^-11) rounds to <= 2^b - 1; the
+  all-zero tensor, every run, is checked but its guard invisible, as for S)
+affine_dequantize(codes, scale, z) -> float32
+  D1 x_hat = s * (q - z) with q - z signed (no uint8 wrap-around) ... "q < z"
+  D2 in float32 (an fp16 product rounds) ............................ "fp16 product"
+"""
 
 from __future__ import annotations
 
 import torch
 
 import qlab
-from qlab.grading.registry import Task, exact, register
-from qlab.grading.tasks._inputs import choice, on_grid, randint, weights
+from qlab.grading.registry import Mismatch, exact, tasks_for
+from qlab.grading.tasks._inputs import (
+    choice,
+    fp16_scale_straddle,
+    on_grid,
+    randint,
+    reciprocal_trap,
+    weights,
+)
+from qlab.grading.tasks._spec import div32, int_rounding, num, quantized
 
-ASSIGNMENT = "01_affine"
+task = tasks_for("01_affine")
+TIES = (0.5, 2.5, -1.5, -0.5, 1.5, -2.5)  # RNE: 0, 2, -2, -0, 2, -2; half-up/away differ
 
 
+def _sym_explain(args, m: Mismatch) -> str:
+    x, bits = args
+    qmax = 2 ** (bits - 1) - 1
+    scale = quantized(x, qlab.int_scheme(bits))[1]
+    s32 = torch.as_tensor(float(x.abs().max()), dtype=torch.float32) / qmax
+    s = float(scale)
+    head = f"qmax = {qmax}, amax / qmax = {num(s32)} in float32, stored as float16: s = {num(s)}"
+    if m.output != "codes":
+        return head
+    if s == 0:
+        return head + " (an all-zero tensor: divide by 1, codes 0)"
+    xi = float(x[m.index])
+    note = f"{head}; x = {num(xi)}, x / s = {int_rounding(div32(xi, s))}"
+    if round(div32(xi, s32)) != round(div32(xi, s)):
+        note += f" (x / the unrounded float32 scale = {num(div32(xi, s32))}: divide by the fp16 s)"
+    return note
+
+
+@task("sym_quantize", "symmetric_quantize", points=2,
+      reference=lambda x, bits: quantized(x, qlab.int_scheme(bits)),
+      compare=exact(names=("codes", "scale"), explain=_sym_explain),
+      signature="symmetric_quantize(x, bits) -> (codes int8, scale float16 0-d)")
 def _sym_cases(g: torch.Generator):
     cases = []
     for _ in range(3):  # random weights, random width
-        bits = randint(g, 2, 8)
-        cases.append(
-            (
-                weights(
-                    g, (randint(g, 1, 4), choice(g, (8, 16, 24))), outliers=bool(randint(g, 0, 1))
-                ),
-                bits,
-            )
-        )
-    # exact ties: a power-of-two scale, x on the half-steps -> round half to EVEN matters
-    bits = randint(g, 3, 6)
+        shape = (randint(g, 1, 4), choice(g, (8, 16, 24)))
+        cases.append((weights(g, shape, outliers=bool(randint(g, 0, 1))), randint(g, 2, 8)))
+    # ties: scale exactly `step` (amax = qmax * step), x on half-steps, both signs; the trap
+    # scale makes x * (1 / s) round the other way at (k + 0.5) * s
+    bits = randint(g, 4, 8)
     qmax = 2 ** (bits - 1) - 1
-    step = 2.0 ** randint(g, -6, 1)
+    k = randint(g, 1, min(qmax - 1, 31))
+    step = reciprocal_trap(g, k) * 2.0 ** randint(g, -6, 1)
     x = on_grid(g, (4, 16), step, -qmax, qmax)
-    x[randint(g, 0, 3), randint(g, 0, 15)] = qmax * step * choice(g, (1.0, -1.0))
+    x[0, :8] = torch.tensor([*TIES, 0.75, k + 0.5]) * step
+    x[1, randint(g, 0, 15)] = qmax * step * choice(g, (1.0, -1.0))
     cases.append((x, bits))
-    cases.append((torch.zeros(2, 8), randint(g, 2, 8)))  # all zeros: scale 0, codes 0
+    # fp16 straddle: dividing by the fp32 scale instead of the stored fp16 one moves a code
+    bits = randint(g, 5, 8)
+    qmax = 2 ** (bits - 1) - 1
+    amax, xk = fp16_scale_straddle(g, qmax, qmax - 1)
+    x = weights(g, (2, 16), scale=amax / 4).clamp(-amax, amax)
+    x[0, 3], x[1, 7] = xk, -amax
+    cases.append((x, bits))
+    cases.append((torch.zeros(2, 8), randint(g, 2, 8)))  # zeros: scale 0, codes 0
     return cases
 
 
-def _sym_ref(x, bits):
-    qt = qlab.quantize(x, qlab.int_scheme(bits))
-    return qt.codes, qt.scales
-
-
-register(
-    Task(
-        grade_id="sym_quantize",
-        func_name="symmetric_quantize",
-        points=2,
-        assignment=ASSIGNMENT,
-        cases=_sym_cases,
-        reference=_sym_ref,
-        compare=exact(names=("codes", "scale")),
-        signature="symmetric_quantize(x, bits) -> (codes int8, scale float16 0-d)",
+def _asym_explain(args, m: Mismatch) -> str:
+    x, bits = args
+    levels = 2**bits - 1
+    _, scale, zero = quantized(x, qlab.int_scheme(bits, symmetric=False), fields=_ASYM)
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    s, z = float(scale), int(zero)
+    s32 = float((torch.tensor(hi, dtype=torch.float32) - lo) / levels)
+    head = (
+        f"lo = min(x, 0) = {num(lo)}, hi = max(x, 0) = {num(hi)}, (hi - lo) / {levels} = "
+        f"{num(s32)}, stored as float16: s = {num(s)}"
     )
-)
+    if s == 0:
+        return head + " (an all-zero tensor: divide by 1, z = 0, codes 0)"
+    if m.output == "scale":
+        return head
+    head += f"; -lo / s = {int_rounding(div32(-lo, s))}, so z = {z}"
+    v = -lo if m.output != "codes" else float(x[m.index])
+    if m.output == "codes":
+        head += f"; x = {num(v)}, x / s = {int_rounding(div32(v, s))}, + z, clamp to [0, {levels}]"
+    if round(div32(v, s32)) != round(div32(v, s)):
+        head += f" (over the unrounded float32 scale: {num(div32(v, s32))}; use the fp16 s)"
+    return head
 
 
+_ASYM = ("codes", "scales", "zero_points")
+
+
+@task("asym_quantize", "asymmetric_quantize", points=2,
+      reference=lambda x, bits: quantized(x, qlab.int_scheme(bits, symmetric=False), fields=_ASYM),
+      compare=exact(names=("codes", "scale", "zero_point"), explain=_asym_explain),
+      signature="asymmetric_quantize(x, bits) -> (codes uint8, scale float16, zero_point uint8)")
 def _asym_cases(g: torch.Generator):
     cases = []
     for sign in (0, 1, -1):  # mixed, all >= 0 (after ReLU), all <= 0
@@ -62,37 +135,71 @@ def _asym_cases(g: torch.Generator):
             x = sign * x.abs()
         x = x + (0.25 * float(x.abs().max()) if sign == 0 and randint(g, 0, 1) else 0.0)
         cases.append((x, bits))
-    # exact ties: range [-(z) * s, (levels - 1 - z) * s] with a power-of-two scale
-    bits = randint(g, 3, 8)
-    levels = 2**bits - 1
-    step = 2.0 ** randint(g, -5, 1)
-    z = randint(g, 1, levels - 1)
-    x = on_grid(g, (3, 16), step, -z, levels - z)
-    x[0, 0], x[0, 1] = -z * step, (levels - z) * step
-    cases.append((x, bits))
+    cases.append(_asym_code_ties(g))
+    for parity in (0, 1):
+        cases.append(_asym_zero_tie(g, parity))
+    cases.append(_asym_straddle(g))
     cases.append((torch.zeros(1, 8), randint(g, 2, 8)))
     return cases
 
 
-def _asym_ref(x, bits):
-    qt = qlab.quantize(x, qlab.int_scheme(bits, symmetric=False))
-    return qt.codes, qt.scales, qt.zero_points
+def _asym_code_ties(g: torch.Generator):
+    """Range [-z s, (levels - z) s] with an exact scale and an ODD integer z: the code ties
+    x / s = t + 0.5 round to even before z is added (round(x / s + z) differs)."""
+    bits = randint(g, 3, 8)
+    levels = 2**bits - 1
+    z = 2 * randint(g, 1, (levels - 4) // 2) + 1  # odd, 3 <= z <= levels - 3
+    step = 2.0 ** randint(g, -5, 1)
+    x = on_grid(g, (3, 16), step, -z, levels - z)
+    x[0, :8] = torch.tensor([-z, levels - z, *TIES]) * step
+    return (x, bits)
 
 
-register(
-    Task(
-        grade_id="asym_quantize",
-        func_name="asymmetric_quantize",
-        points=2,
-        assignment=ASSIGNMENT,
-        cases=_asym_cases,
-        reference=_asym_ref,
-        compare=exact(names=("codes", "scale", "zero_point")),
-        signature="asymmetric_quantize(x, bits) -> (codes uint8, scale float16, zero_point uint8)",
-    )
-)
+def _asym_zero_tie(g: torch.Generator, parity: int):
+    """-lo / s = k + 0.5 exactly (a tie for z). k even: RNE keeps k (half-up gives k + 1).
+    k odd: z = k + 1 and x = hi rounds to levels - k, so the code reaches 2^b and the clamp
+    to 2^b - 1 acts."""
+    bits = randint(g, 3, 8)
+    levels = 2**bits - 1
+    k = 2 * randint(g, 0, (levels - 3) // 2) + parity
+    step = 2.0 ** randint(g, -5, 1)
+    lo, hi = -(k + 0.5) * step, (levels - k - 0.5) * step  # hi - lo = levels * step
+    x = lo + (hi - lo) * torch.rand(2, 16, generator=g)
+    x[0, 0], x[1, 5] = lo, hi
+    return (x, bits)
 
 
+def _asym_straddle(g: torch.Generator):
+    """A range whose scale is not a float16: z and a code from the fp32 scale differ."""
+    bits = randint(g, 6, 8)
+    levels = 2**bits - 1
+    for _ in range(200):
+        span = torch.empty(()).uniform_(0.5, 4.0, generator=g)
+        s32 = span / levels
+        s16 = s32.to(torch.float16).float()
+        kz = randint(g, levels // 2, levels - 2)
+        lo = -(kz + 0.5) * (s16 + s32) / 2
+        hi = lo + span
+        s32, s16 = (hi - lo) / levels, ((hi - lo) / levels).to(torch.float16).float()
+        xc = (levels - kz - 1.5) * (s16 + s32) / 2  # a code on the positive side
+        if all(torch.round(v / s16) != torch.round(v / s32) for v in (-lo, xc)):
+            x = lo + (hi - lo) * torch.rand(2, 16, generator=g)
+            x[0, 0], x[0, 1], x[1, 2] = lo, hi, xc
+            return (x, bits)
+    raise RuntimeError("no float16 straddle for the zero point")
+
+
+def _deq_explain(args, m: Mismatch) -> str:
+    codes, scale, zero = args
+    q, z, s = int(codes[m.index]), int(zero), float(scale)
+    prod = float(torch.tensor(s, dtype=torch.float32) * (q - z))
+    return f"q = {q}, z = {z}, q - z = {q - z} (signed), s = {num(s)}, s * (q - z) = {num(prod)}"
+
+
+@task("affine_dequantize", "affine_dequantize", points=1,
+      reference=lambda codes, scale, zero_point: _deq_ref(codes, scale, zero_point),
+      compare=exact(explain=_deq_explain),
+      signature="affine_dequantize(codes, scale, zero_point) -> float32 x_hat")
 def _deq_cases(g: torch.Generator):
     cases = []
     for _ in range(4):
@@ -103,6 +210,12 @@ def _deq_cases(g: torch.Generator):
         scale = torch.empty(()).uniform_(1e-3, 2.0, generator=g).to(torch.float16)
         zero = torch.tensor(randint(g, 0, qmax), dtype=torch.uint8)
         cases.append((codes, scale, zero))
+    # every 8-bit code, z in the middle (q < z wraps in uint8), and a scale with all 11
+    # significant bits, so s * (q - z) needs more bits than float16 has
+    codes = torch.randperm(256, generator=g).to(torch.uint8).reshape(8, 32)
+    mantissa = 1 + (2 * randint(g, 0, 511) + 1) / 1024  # odd last mantissa bit
+    scale = torch.tensor(mantissa * 2.0 ** randint(g, -8, -2), dtype=torch.float16)
+    cases.append((codes, scale, torch.tensor(randint(g, 64, 192), dtype=torch.uint8)))
     return cases
 
 
@@ -116,17 +229,3 @@ def _deq_ref(codes, scale, zero_point):
         granularity="tensor",
     )
     return qlab.dequantize(qt)
-
-
-register(
-    Task(
-        grade_id="affine_dequantize",
-        func_name="affine_dequantize",
-        points=1,
-        assignment=ASSIGNMENT,
-        cases=_deq_cases,
-        reference=_deq_ref,
-        compare=exact(),
-        signature="affine_dequantize(codes, scale, zero_point) -> float32 x_hat",
-    )
-)

@@ -1,16 +1,68 @@
-"""Chapter 02 (granularity): symmetric per-group quantization and the bits/weight it costs."""
+"""Chapter 02 (granularity): symmetric per-group quantization and the bits/weight it costs.
+
+Spec clauses and the fixed case (every seed) that breaking each one changes:
+
+group_quantize(w, bits, g) -> (codes int8 (R, K), scales fp16 (R, K // g))
+  G1 groups of g contiguous elements along K, group j = k // g ..... "mixed groups" (and the
+     outlier case: a per-tensor or per-row scale crushes the other groups)
+  G2 scale = fp16(group amax / qmax) ................................. every nonzero group
+  G3 codes divide by the STORED fp16 scale .......................... "mixed groups" straddle
+  G4 a true division, not x * (1 / s) ............................... "mixed groups" ties
+  G5 round half to even ............................................. "mixed groups" ties
+  (the clamp to +-qmax never acts, as in chapter 01; the all-zero group, every run, must
+  give scale 0 and codes 0, though a missing divide-by-1 guard is invisible there too)
+bits_per_weight(bits, g, scale_bits, zero_bits) -> float
+  B1 b + (scale_bits + zero_bits) / g: metadata amortised over g .... every case
+  B2 zero_bits counted .............................................. zero_bits 4 and 8
+  B3 a true division (not //) ....................................... (4, 128, 16, 4)
+"""
 
 from __future__ import annotations
 
 import torch
 
 import qlab
-from qlab.grading.registry import Task, close, exact, register
-from qlab.grading.tasks._inputs import choice, randint, weights
+from qlab.grading.registry import Mismatch, close, exact, tasks_for
+from qlab.grading.tasks._inputs import (
+    choice,
+    fp16_scale_straddle,
+    on_grid,
+    randint,
+    reciprocal_trap,
+    weights,
+)
+from qlab.grading.tasks._spec import div32, int_rounding, num, quantized
 
-ASSIGNMENT = "02_granularity"
+task = tasks_for("02_granularity")
 
 
+def _group_explain(args, m: Mismatch) -> str:
+    w, bits, gs = args
+    qmax = 2 ** (bits - 1) - 1
+    if m.output == "codes":
+        r, k = m.index
+        j = k // gs
+    else:
+        r, j = m.index
+    scales = quantized(w, qlab.int_scheme(bits), gs)[1]
+    group = w[r, j * gs : (j + 1) * gs]
+    s = float(scales[r, j])
+    head = (
+        f"row {r}, group {j} = columns {j * gs}..{(j + 1) * gs - 1}: amax = "
+        f"{num(group.abs().max())}, amax / {qmax} stored as float16: s = {num(s)}"
+    )
+    if m.output != "codes":
+        return head
+    if s == 0:
+        return head + " (an all-zero group: divide by 1, codes 0)"
+    x = float(w[r, k])
+    return f"{head}; w = {num(x)}, w / s = {int_rounding(div32(x, s))}"
+
+
+@task("group_quantize", "group_quantize", points=3,
+      reference=lambda w, bits, group_size: quantized(w, qlab.int_scheme(bits), group_size),
+      compare=exact(names=("codes", "scales"), explain=_group_explain),
+      signature="group_quantize(w, bits, group_size) -> (codes int8, scales fp16 (R, K//g))")
 def _group_cases(g: torch.Generator):
     cases = []
     for gs in (choice(g, (8, 16)), 32, choice(g, (4, 64))):
@@ -25,30 +77,37 @@ def _group_cases(g: torch.Generator):
     w = weights(g, (2, 64), scale=0.05)
     w[1, randint(g, 0, 63)] = 4.0
     cases.append((w, 4, 16))
+    cases.append(_mixed_groups(g))
     return cases
 
 
-def _group_ref(w, bits, group_size):
-    qt = qlab.quantize(w, qlab.int_scheme(bits), group_size)
-    return qt.codes, qt.scales
+def _mixed_groups(g: torch.Generator):
+    """(2, 4 groups of 16): group (0, 0) holds exact ties on a trap scale (RNE, and x * (1/s)
+    rounds the other way), group (0, 1) is all zeros, group (0, 2) a float16 straddle (its
+    fp32 scale moves a code); the rest random, each group on its own scale."""
+    bits, gs = randint(g, 5, 8), 16
+    qmax = 2 ** (bits - 1) - 1
+    w = weights(g, (2, 4 * gs)) * torch.logspace(-1, 1, 4).repeat_interleave(gs)
+    k = randint(g, 1, min(qmax - 1, 31))
+    step = reciprocal_trap(g, k) * 2.0 ** randint(g, -6, 0)
+    ties = on_grid(g, (gs,), step, -qmax, qmax)
+    ties[:8] = torch.tensor([0.5, 2.5, -1.5, -0.5, 1.5, -2.5, k + 0.5, qmax]) * step
+    w[0, :gs] = ties
+    w[0, gs : 2 * gs] = 0.0
+    amax, xk = fp16_scale_straddle(g, qmax, qmax - 1)
+    w[0, 2 * gs : 3 * gs] = (w[0, 2 * gs : 3 * gs] / w[0, 2 * gs : 3 * gs].abs().max()) * amax
+    w[0, 2 * gs + randint(g, 0, gs - 2)] = xk
+    w[0, 2 * gs + gs - 1] = -amax  # the group's amax, exactly
+    return (w, bits, gs)
 
 
-register(
-    Task(
-        grade_id="group_quantize",
-        func_name="group_quantize",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_group_cases,
-        reference=_group_ref,
-        compare=exact(names=("codes", "scales")),
-        signature="group_quantize(w, bits, group_size) -> (codes int8, scales fp16 (R, K//g))",
-    )
-)
-
-
+# 1e-12: (s + z) / g and s / g + z / g may differ in the last bit of a float64
+@task("bits_per_weight", "bits_per_weight", points=1,
+      reference=lambda bits, g, sb, zb: qlab.cost.bits_per_weight(bits, g, sb, zb),
+      compare=close(rtol=1e-12),
+      signature="bits_per_weight(bits, group_size, scale_bits, zero_bits) -> float")
 def _bpw_cases(g: torch.Generator):
-    cases = []
+    cases = [(4, 128, 16, 4)]  # (16 + 4) / 128: integer division would give 0
     for zero_bits in (0, 4, 8, choice(g, (0, 2, 4, 8)), randint(g, 1, 8)):
         cases.append(
             (
@@ -59,18 +118,3 @@ def _bpw_cases(g: torch.Generator):
             )
         )
     return cases
-
-
-register(
-    Task(
-        grade_id="bits_per_weight",
-        func_name="bits_per_weight",
-        points=1,
-        assignment=ASSIGNMENT,
-        cases=_bpw_cases,
-        reference=lambda bits, g, sb, zb: qlab.cost.bits_per_weight(bits, g, sb, zb),
-        # 1e-12: (s + z) / g and s / g + z / g may differ in the last bit of a float64
-        compare=close(rtol=1e-12),
-        signature="bits_per_weight(bits, group_size, scale_bits, zero_bits) -> float",
-    )
-)
