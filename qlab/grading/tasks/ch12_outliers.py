@@ -1,0 +1,135 @@
+"""Chapter 12 (outliers): SmoothQuant scales, the fast Walsh-Hadamard transform, LLM.int8()."""
+
+from __future__ import annotations
+
+import torch
+
+from qlab.grading.registry import Task, close, register
+from qlab.grading.tasks._inputs import choice, randint, weights
+from qlab.ptq import fwht, mixed_precision_matmul, smooth_scales
+
+ASSIGNMENT = "12_outliers"
+
+
+# --------------------------------------------------------------------------- SmoothQuant
+
+
+def _absmax_pair(g: torch.Generator, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation maxima with a few outlier channels, weight maxima, and in EVERY draw a dead
+    activation channel, a dead weight column and a channel dead on both sides."""
+    act = weights(g, (k,), scale=1.0).abs() + 0.05
+    act[torch.randperm(k, generator=g)[:2]] *= 40.0  # outlier channels
+    wgt = weights(g, (k,), scale=0.05).abs() + 1e-3
+    dead = torch.randperm(k, generator=g)[:3]
+    act[dead[0]] = 0.0  # 0^alpha: 0 (or 1 at alpha = 0): s must be 1
+    wgt[dead[1]] = 0.0  # division by 0^(1 - alpha): inf (or 1 at alpha = 1): s must be 1
+    act[dead[2]], wgt[dead[2]] = 0.0, 0.0  # 0 / 0
+    return act, wgt
+
+
+def _smooth_cases(g: torch.Generator):
+    cases = []
+    for alpha in (choice(g, (0.3, 0.5, 0.65, 0.8)), 0.0, 1.0, 0.5):  # both extremes every run
+        act, wgt = _absmax_pair(g, randint(g, 6, 64))
+        cases.append((act, wgt, alpha))
+    return cases
+
+
+register(
+    Task(
+        grade_id="smooth_scales",
+        func_name="smooth_scales",
+        points=2,
+        assignment=ASSIGNMENT,
+        cases=_smooth_cases,
+        reference=lambda act_absmax, weight_absmax, alpha: smooth_scales(
+            act_absmax, weight_absmax, alpha),
+        # qlab computes in float64 and rounds once; a float32 pow / divide is within a few
+        # float32 ulps (measured over 300 seeds: < 2.4e-7 relative, < 5.5e-7 in the
+        # exp(log) form). Wrong answers (swapped exponents, no zero-channel rule, the paper
+        # code's 1e-5 clamp) are off by factors or non-finite.
+        compare=close(rtol=1e-6),
+        signature="smooth_scales(act_absmax (K,), weight_absmax (K,), alpha) -> float32 (K,)",
+    )
+)
+
+
+# --------------------------------------------------------------------------- FWHT
+
+
+def _fwht_cases(g: torch.Generator):
+    cases = []
+    k = randint(g, 1, 7)  # a power of two, 2..128
+    cases.append((weights(g, (randint(g, 1, 4), 2**k), scale=1.0),))
+    k = randint(g, 1, 5)  # 12 * 2^k with k >= 1: the Kronecker order and H12's orientation show
+    cases.append((weights(g, (randint(g, 1, 4), 12 * 2**k), scale=1.0),))
+    cases.append((weights(g, (randint(g, 1, 3), 12), scale=1.0),))  # 12 itself (2^0)
+    x = weights(g, (2, randint(g, 1, 3), choice(g, (384, 256, 1536))), scale=1.0)  # leading dims
+    x[..., randint(g, 0, x.shape[-1] - 1)] *= 20.0  # an outlier channel
+    cases.append((x,))
+    return cases
+
+
+register(
+    Task(
+        grade_id="fwht",
+        func_name="fwht",
+        points=3,
+        assignment=ASSIGNMENT,
+        cases=_fwht_cases,
+        reference=lambda x: fwht(x),
+        # float32 butterflies round at each of their log2(n) + 1 passes, in an order that may
+        # differ from qlab's (1/sqrt(2) per pass, passes reversed, H12 first): measured over
+        # 300 seeds, within 6 % of this tolerance (|x| ~ 1..60 here). A wrong normalisation,
+        # Kronecker order, H12 orientation or sign is off by O(1).
+        compare=close(rtol=1e-5, atol=2e-5),
+        signature="fwht(x (..., n)) -> float32 (..., n), n = 2^k or 12 * 2^k",
+    )
+)
+
+
+# --------------------------------------------------------------------------- LLM.int8()
+
+
+def _int8_case(g: torch.Generator, threshold: float):
+    m, n, k = randint(g, 3, 8), randint(g, 2, 8), choice(g, (16, 32, 64))
+    x = weights(g, (m, k), scale=1.0).clamp(-0.9 * threshold, 0.9 * threshold)
+    cols = torch.randperm(k, generator=g)[:3]
+    x[:, cols[0]] = weights(g, (m,), scale=1.0) * 3 * threshold  # an outlier column ...
+    x[0, cols[0]] = 2.71 * threshold  # ... for sure
+    x[randint(g, 0, m - 1), cols[1]] = -(threshold + 0.73)  # ONE outlier value: its whole column
+    x[randint(g, 0, m - 1), cols[2]] = threshold  # exactly the threshold: an outlier (>=)
+    w = weights(g, (n, k), scale=choice(g, (0.05, 0.5)))
+    return x, w, threshold
+
+
+def _int8_cases(g: torch.Generator):
+    cases = [_int8_case(g, 6.0), _int8_case(g, choice(g, (3.0, 4.5)))]  # not always 6
+    x, w, t = _int8_case(g, 6.0)
+    col = int((x.abs() >= t).any(0).nonzero()[0, 0])
+    x[1] = 0.0
+    x[1, col] = 7.3  # a token that is all outlier: its int8 row is all zero (scale 0)
+    w[0] = 0.0
+    w[0, col] = 0.3  # an output row whose weights are all in outlier columns: scale 0 too
+    cases.append((x, w, t))
+    x = weights(g, (randint(g, 2, 6), 32), scale=1.0)  # no outliers at all: pure int8
+    cases.append((x, weights(g, (randint(g, 2, 6), 32), scale=0.5), 100.0))
+    return cases
+
+
+register(
+    Task(
+        grade_id="llm_int8_matmul",
+        func_name="llm_int8_matmul",
+        points=3,
+        assignment=ASSIGNMENT,
+        cases=_int8_cases,
+        reference=lambda x, w, threshold: mixed_precision_matmul(x, w, threshold, "int8"),
+        # The int8 sums are exact and the float16 products exact in float32; only the order of
+        # the float32 sums and of the final rescale may differ (int64 sums, one column at a
+        # time, (acc * s_x) * s_w): within 4 % of this tolerance over 300 seeds. Outliers left
+        # in float32 (not float16) are off by ~1e-3, scales kept in float32 by ~1e-4 relative.
+        compare=close(rtol=2e-5, atol=2e-5),
+        signature="llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)",
+    )
+)

@@ -1,0 +1,92 @@
+"""Known-wrong implementations for chapter 12 (outliers), merged into grading_bank.MUTANTS.
+Each is the solution cell of solutions/12_outliers.ipynb with textual changes, so the bank
+tracks the solution (an edit whose text is gone fails loudly at import).
+
+MUTANTS[grade_id] = [(name, cell source), ...]; each must fail `check` on every seed and cost
+exactly its task's points.
+"""
+
+from __future__ import annotations
+
+from mutant_edits import build_mutants
+
+SS = "s = a**alpha / w ** (1 - alpha)"
+SS_RET = "return torch.where(dead, torch.ones_like(s), s).float()"
+FW_RESHAPE = "y = x.reshape(-1, m, p).float()  # shape: (rows, m, 2^k)"
+FW_RET = "return (y / math.sqrt(n)).reshape(x.shape)"
+FW_MIX = 'y = torch.einsum("ij,rip->rjp", H12, y)'
+I8_COLS = "cols = (x.abs() >= threshold).any(dim=0)  # outlier input channels, bool (K,)"
+I8_Y16 = "y16 = x[:, cols].half().float() @ w[:, cols].half().float().T"
+I8_SX = "s_x = (x8.abs().amax(dim=1) / 127).to(torch.float16).float()  # per token, shape (M,)"
+I8_SW = "s_w = (w8.abs().amax(dim=1) / 127).to(torch.float16).float()  # per output channel, (N,)"
+
+# grade_id -> [(name, [(old, new), ...])]: every `old` must occur in the solution cell.
+_EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
+    "smooth_scales": [
+        ("exponents swapped", [(SS, "s = a ** (1 - alpha) / w**alpha")]),
+        ("ratio inverted (weights over activations)", [(SS, "s = w ** (1 - alpha) / a**alpha")]),
+        ("no zero-channel rule: 0, inf or NaN left", [(SS_RET, "return s.float()")]),
+        (
+            "the paper code's clamp to 1e-5 instead of s = 1",
+            [(SS, "s = a.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)"),
+             (SS_RET, "return s.float()")],
+        ),
+        (
+            "zero rule only where both are zero",
+            [("dead = (a == 0) | (w == 0)", "dead = (a == 0) & (w == 0)")],
+        ),
+    ],
+    "fwht": [
+        ("not normalised", [(FW_RET, "return y.reshape(x.shape)")]),
+        ("divided by n, not sqrt(n)", [(FW_RET, "return (y / n).reshape(x.shape)")]),
+        (
+            "12-point part not normalised (sqrt(2^k))",
+            [(FW_RET, "return (y / math.sqrt(p)).reshape(x.shape)")],
+        ),
+        ("H12 transposed", [(FW_MIX, 'y = torch.einsum("ji,rip->rjp", H12, y)')]),
+        ("12 blocks never mixed", [(FW_MIX, "pass")]),
+        (
+            "Kronecker order swapped (H_2^k outside)",
+            [(FW_RESHAPE, "y = x.reshape(-1, p, m).transpose(1, 2).float()"),
+             (FW_RET, "return (y / math.sqrt(n)).transpose(1, 2).reshape(x.shape)")],
+        ),
+        (
+            "butterfly sign (b - a)",
+            [("torch.stack((a + b, a - b), dim=-2)", "torch.stack((a + b, b - a), dim=-2)")],
+        ),
+    ],
+    "llm_int8_matmul": [
+        ("|x| > threshold (strict)", [(I8_COLS, I8_COLS.replace(">=", ">"))]),
+        ("threshold fixed at 6", [(I8_COLS, I8_COLS.replace(">= threshold", ">= 6.0"))]),
+        (
+            "outlier elements, not whole columns, in 16 bit",
+            [(I8_COLS, "big = x.abs() >= threshold\n    cols = big.all(dim=0)"),
+             (I8_Y16, "y16 = (x * big).half().float() @ w.half().float().T"),
+             ("x8, w8 = x.masked_fill(cols, 0.0), w.masked_fill(cols, 0.0)",
+              "x8, w8 = x.masked_fill(big, 0.0), w")],
+        ),
+        ("outliers kept in float32", [(I8_Y16, "y16 = x[:, cols] @ w[:, cols].T")]),
+        (
+            "int8 scales over whole rows (outliers included)",
+            [(I8_SX, I8_SX.replace("x8.abs()", "x.abs()")),
+             (I8_SW, I8_SW.replace("w8.abs()", "w.abs()"))],
+        ),
+        (
+            "one scale for all tokens (per tensor)",
+            [(I8_SX, "s_x = (x8.abs().amax() / 127).to(torch.float16).float().expand(x.shape[0])")],
+        ),
+        (
+            "scales kept in float32",
+            [(I8_SX, I8_SX.replace(".to(torch.float16)", "")),
+             (I8_SW, I8_SW.replace(".to(torch.float16)", ""))],
+        ),
+        (
+            "no guard for all-zero rows (0 / 0)",
+            [("torch.where(s_x == 0, 1.0, s_x)", "s_x"),
+             ("torch.where(s_w == 0, 1.0, s_w)", "s_w")],
+        ),
+    ],
+}
+
+
+MUTANTS = build_mutants(_EDITS)
