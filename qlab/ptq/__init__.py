@@ -2,7 +2,9 @@
 
 Chapter 12 (outliers):  hadamard, fwht, random_rotation (rotations), smooth_scales
                         (SmoothQuant), mixed_precision_matmul (LLM.int8())
-Chapter 13 (rounding):  hessian, gptq (GPTQ), awq (AWQ)
+Chapter 13 (rounding):  hessian, gptq (GPTQ), awq (AWQ); qlab.ptq.calibrate quantizes a
+                        whole model layer by layer (quantize_model, gptq_model), and
+                        qlab.ptq.ch13_results rebuilds the results notebook 13 ships
 
 Each is a small reference implementation in plain torch that takes and returns torch
 tensors (or qlab QTensors) and checks its inputs.
