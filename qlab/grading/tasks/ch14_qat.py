@@ -1,0 +1,180 @@
+"""Chapter 14 (quantization-aware training): the STE fake quantizer and LSQ's gradients.
+
+A gradient task returns plain tensors: the learner's autograd.Function is called inside a
+given wrapper that runs it forward and backward and returns (y, x.grad[, scale.grad]).
+
+Spec clauses, and the fixed case (present on every seed) where breaking each one changes
+the answer (tests/grading/mutants_ch14.py holds a mutant per clause):
+
+ste_fake_quantize(x, bits, group_size, grad_y) -> (y, grad_x)
+  T1 forward = qlab.fake_quantize(x, int{bits}, group_size): fp16 scale ... every case
+  T2 round half to even ................................................ "edges", row 0
+  T3 grad passes where -qmax*s <= x <= qmax*s, ends INCLUDED ........... "edges", row 0
+  T4 grad 0 beyond: an fp16 scale rounded down clamps the max .......... "edges", row 1
+  T5 the mask is on x itself, not on round(x / s) ...................... "edges", row 1
+  T6 all-zero group: divide by 1, y = 0, the gradient passes ........... "edges", row 2
+lsq_quantize(x, scale, bits, grad_scale, grad_y) -> (y, grad_x, grad_scale)
+  L1 y = clamp(round(x / s), -Q, Q) * s, round half to even ............ "edges", ties
+  L2 grad_x: STE inside [-Q s, Q s] (ends included), 0 beyond .......... "edges", row 0
+  L3 ds: round(u) - u inside, -Q / +Q where clamped .................... every case
+  L4 x == +-Q s exactly counts as inside (ds = 0, not +-Q) ............. "edges", row 0
+  L5 summed over each group's elements, times grad_scale ............... every case
+  L6 all-zero group: y = 0, no NaN, ds = 0 ............................. "edges", row 0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qlab.grading.registry import Task, compare_values, exact, register
+from qlab.grading.tasks._inputs import choice, randint, weights
+from qlab.qat import fake_quantize_ste, lsq_fake_quantize, lsq_grad_scale
+
+ASSIGNMENT = "14_qat"
+EPS32 = 2.0**-24  # float32 unit roundoff
+
+
+def _fp16_step(g: torch.Generator) -> float:
+    """A random step that float16 holds exactly (11 significant bits), ~1e-3 .. 4e-2."""
+    mantissa = randint(g, 1024, 2047)
+    return mantissa * 2.0 ** (randint(g, -10, -5) - 10)
+
+
+# --------------------------------------------------------------------------- STE
+
+
+def _ste_group(g: torch.Generator, n: int, qmax: int, kind: str) -> torch.Tensor:
+    """One group of n >= 4 values on half-steps of an fp16-exact step s (exact ties, among
+    them +-s/2, where half-to-even and half-away differ), whose largest |x| sits exactly on
+    / just beyond / just inside the end of the grid (kind "exact" / "down" / "up"), at a
+    random place and with a random sign."""
+    s = _fp16_step(g)
+    rel = {"exact": 0.0, "down": 2.0**-13, "up": -(2.0**-13)}[kind]
+    amax = torch.tensor(qmax * s * (1.0 + rel), dtype=torch.float64).float()
+    steps = torch.randint(-2 * qmax + 1, 2 * qmax, (n,), generator=g).float()  # half-steps
+    x = steps * (s / 2)  # exact: ties (k + 0.5) * s and grid points k * s, all inside
+    where = torch.randperm(n, generator=g)[:3]
+    x[where] = torch.stack([amax if randint(g, 0, 1) else -amax,
+                            torch.tensor(s / 2), torch.tensor(-s / 2)])
+    return x
+
+
+def _ste_cases(g: torch.Generator):
+    cases = []
+    for _ in range(2):
+        gs = choice(g, (8, 16, 32))
+        x = weights(g, (randint(g, 1, 5), gs * randint(g, 1, 4)), outliers=True)
+        cases.append((x, randint(g, 2, 8), gs, torch.randn(x.shape, generator=g)))
+    bits, gs = randint(g, 2, 4), choice(g, (8, 16))
+    qmax = 2 ** (bits - 1) - 1
+    rows = [
+        [_ste_group(g, gs, qmax, "exact"), _ste_group(g, gs, qmax, "exact")],  # T2, T3
+        [_ste_group(g, gs, qmax, "down"), _ste_group(g, gs, qmax, "down")],  # T4, T5
+        [_ste_group(g, gs, qmax, "up"), torch.zeros(gs)],  # inside; T6
+    ]
+    x = torch.stack([torch.cat(r) for r in rows])
+    grad_y = torch.randn(x.shape, generator=g).sign() * (1.0 + torch.rand(x.shape, generator=g))
+    cases.append((x, bits, gs, grad_y))
+    return cases
+
+
+def _ste_reference(x, bits, group_size, grad_y):
+    x = x.clone().requires_grad_(True)
+    y = fake_quantize_ste(x, f"int{bits}", group_size)
+    y.backward(grad_y)
+    return y.detach(), x.grad
+
+
+register(
+    Task(
+        grade_id="ste_fake_quantize",
+        func_name="ste_fake_quantize",
+        points=3,
+        assignment=ASSIGNMENT,
+        cases=_ste_cases,
+        reference=_ste_reference,
+        compare=exact(names=("y", "grad_x")),
+        signature="ste_fake_quantize(x (R, K), bits, group_size, grad_y (R, K)) -> (y, grad_x)",
+    )
+)
+
+
+# --------------------------------------------------------------------------- LSQ
+
+
+def _lsq_edge_case(g: torch.Generator):
+    """Row 0: group 0 on an exact step with +-Q*s (inside), their next float32 outward
+    (clamped) and half-step ties, +-s/2 among them; group 1 all zero. Row 1: a step 0.6x
+    the absmax one (many values clamped). |grad_y| >= 1 everywhere, so each clause moves
+    grad_scale."""
+    bits, gs = randint(g, 2, 4), choice(g, (8, 16))
+    qmax = 2 ** (bits - 1) - 1
+    s = _fp16_step(g)
+    steps = torch.randint(-2 * qmax + 1, 2 * qmax, (gs,), generator=g).float()
+    grp = steps * (s / 2)  # half-steps: exact ties
+    edge = torch.tensor([qmax * s, -qmax * s])
+    grp[:6] = torch.cat([edge, torch.nextafter(edge, edge * 2), torch.tensor([s / 2, -s / 2])])
+    row0 = torch.cat([grp[torch.randperm(gs, generator=g)], torch.zeros(gs)])
+    row1 = weights(g, (2 * gs,))
+    x = torch.stack([row0, row1])
+    amax1 = row1.reshape(2, gs).abs().amax(dim=-1)
+    scale = torch.stack([torch.tensor([s, s]), 0.6 * amax1 / qmax]).float()
+    grad_y = torch.randn(x.shape, generator=g).sign() * (1.0 + torch.rand(x.shape, generator=g))
+    return (x, scale, bits, lsq_grad_scale(gs, qmax), grad_y)
+
+
+def _lsq_cases(g: torch.Generator):
+    cases = []
+    for _ in range(2):
+        bits, gs = randint(g, 2, 8), choice(g, (8, 16, 32))
+        qmax = 2 ** (bits - 1) - 1
+        x = weights(g, (randint(g, 1, 5), gs * randint(g, 1, 4)))
+        amax = x.reshape(x.shape[0], -1, gs).abs().amax(dim=-1)
+        factor = 0.3 + 1.2 * torch.rand(amax.shape, generator=g)  # some groups clamp
+        scale = (factor * amax / qmax).float()
+        cases.append((x, scale, bits, lsq_grad_scale(gs, qmax), torch.randn(x.shape, generator=g)))
+    cases.append(_lsq_edge_case(g))
+    return cases
+
+
+def _lsq_reference(x, scale, bits, grad_scale, grad_y):
+    x = x.clone().requires_grad_(True)
+    scale = scale.clone().requires_grad_(True)
+    y = lsq_fake_quantize(x, scale, bits, grad_scale)
+    y.backward(grad_y)
+    return y.detach(), x.grad, scale.grad
+
+
+def _lsq_compare(expected, got, args):
+    """y and grad_x bit-exact (one rounding each, the same in any correct code). grad_scale
+    sums up to 32 products g * dL/dy * (round(u) - u): a float32 sum in another order, or u
+    from another correctly rounded division, moves it by at most ~(n + 8) * 2^-24 of the sum
+    of the magnitudes (first-order bound). The wrong answers are off by whole terms."""
+    names = ("y", "grad_x", "grad_scale")
+    if type(got) is not tuple or len(got) != 3:
+        return compare_values(expected, got, args, names=names)  # says what shape it wanted
+    hint = compare_values(expected[:2], got[:2], args, names=names[:2])
+    if hint:
+        return hint
+    x, scale, bits, grad_scale, grad_y = args
+    qmax = 2 ** (bits - 1) - 1
+    n = x.shape[-1] // scale.shape[-1]
+    u = (x / torch.where(scale == 0, 1.0, scale).repeat_interleave(n, dim=-1)).abs()
+    magnitude = (grad_y.abs() * (u + qmax)).reshape(*scale.shape, n).sum(dim=-1)
+    atol = float(grad_scale * (n + 8) * EPS32 * magnitude.max())
+    return compare_values(expected[2], got[2], args, atol=atol, path="grad_scale")
+
+
+register(
+    Task(
+        grade_id="lsq_quantize",
+        func_name="lsq_quantize",
+        points=3,
+        assignment=ASSIGNMENT,
+        cases=_lsq_cases,
+        reference=_lsq_reference,
+        compare=_lsq_compare,
+        signature="lsq_quantize(x (R, K), scale (R, G), bits, grad_scale, grad_y (R, K)) "
+        "-> (y, grad_x, grad_scale (R, G))",
+    )
+)
