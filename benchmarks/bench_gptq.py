@@ -12,30 +12,12 @@ input feature, so that it is full rank like a real layer's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
+from bench_quantize import median_time, plain_torch_int4  # this folder: the same baseline
 
 from qlab.ptq import gptq, hessian
-
-
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def plain_torch_rtn(w: torch.Tensor, group: int) -> torch.Tensor:
-    """The baseline: symmetric int4, groups along K, fp16 scales, inline torch."""
-    g = w.reshape(w.shape[0], -1, group)  # shape: (N, K // group, group)
-    s = (g.abs().amax(-1, keepdim=True) / 7).half().float()
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    return (torch.clamp(torch.round(g / s), -7, 7) * s).reshape(w.shape)
 
 
 def main() -> None:
@@ -55,13 +37,13 @@ def main() -> None:
     t0 = time.perf_counter()
     h = hessian(x)
     print(f"hessian of {2 * n} samples: {time.perf_counter() - t0:.2f} s (once, not in the ratio)")
-    rtn = median_time(lambda: plain_torch_rtn(w, args.group), args.repeat)
+    rtn = median_time(lambda: plain_torch_int4(w, args.group), args.repeat)
     ours = median_time(lambda: gptq(w, h, "int4", args.group), args.repeat)
     print(f"GPTQ {ours:.2f} s | plain-torch RTN {rtn:.3f} s | ratio {ours / rtn:.1f}x "
           "(goal: within 20x)")
 
     err = lambda w_hat: float(((x @ (w - w_hat).T) ** 2).mean())  # noqa: E731
-    e_rtn, e_gptq = err(plain_torch_rtn(w, args.group)), err(gptq(w, h, "int4", args.group)
+    e_rtn, e_gptq = err(plain_torch_int4(w, args.group)), err(gptq(w, h, "int4", args.group)
                                                                 .dequantize())
     print(f"layer output MSE: RTN {e_rtn:.3e}, GPTQ {e_gptq:.3e} ({e_gptq / e_rtn:.2f}x RTN)")
 

@@ -29,9 +29,10 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def plain_torch_int4_g128(x: torch.Tensor) -> torch.Tensor:
-    """The baseline: symmetric int4, groups of 128, fp16 scales, inline torch."""
-    g = x.reshape(x.shape[0], -1, 128)  # shape: (rows, K // 128, 128)
+def plain_torch_int4(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """The baseline: symmetric int4, groups along K, fp16 scales, inline torch (also the
+    RTN baseline of bench_gptq.py)."""
+    g = x.reshape(x.shape[0], -1, group)  # shape: (rows, K // group, group)
     s = (g.abs().amax(-1, keepdim=True) / 7).half().float()
     s = torch.where(s == 0, torch.ones_like(s), s)
     return (torch.clamp(torch.round(g / s), -7, 7) * s).reshape(x.shape)
@@ -46,9 +47,9 @@ def main() -> None:
     print(f"{args.size}x{args.size} fp32, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, median of {args.repeat}")
 
-    base = median_time(lambda: plain_torch_int4_g128(x), args.repeat)
+    base = median_time(lambda: plain_torch_int4(x), args.repeat)
     ours = median_time(lambda: qlab.fake_quantize(x, "int4", 128), args.repeat)
-    assert torch.equal(plain_torch_int4_g128(x), qlab.fake_quantize(x, "int4", 128))
+    assert torch.equal(plain_torch_int4(x), qlab.fake_quantize(x, "int4", 128))
     print(f"int4 g128 fake-quantize: qlab {ours * 1e3:8.1f} ms | plain torch {base * 1e3:8.1f} ms"
           f" | ratio {ours / base:.2f}x")
 

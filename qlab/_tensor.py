@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -38,3 +41,23 @@ def check_finite(x: torch.Tensor, scheme_name: str) -> None:
             "Clean the input (torch.nan_to_num) or use an MX scheme, where a NaN/inf "
             "gives its block a NaN scale (OCP MX v1.0)."
         )
+
+
+@contextmanager
+def torch_threads(n: int, deterministic: bool | None = None) -> Iterator[None]:
+    """Run torch on n threads inside the block (and, when given, with deterministic
+    algorithms on or off), then restore what was set before.
+
+    n = 1 for loops of small ops (a GPTQ column, a GGUF block, a widget update): with
+    several threads each op waits at a barrier for every thread, and on a busy machine
+    one descheduled thread turns a microsecond op into milliseconds. Training runs pin
+    their thread count so that a run is reproducible bit for bit."""
+    before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(n)
+    if deterministic is not None:
+        torch.use_deterministic_algorithms(deterministic)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        torch.use_deterministic_algorithms(before[1])

@@ -9,13 +9,12 @@ qlab/gguf/recipes.py).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from qlab._tensor import as_float32, check_finite
+from qlab._tensor import as_float32, check_finite, torch_threads
 from qlab.gguf import kquants, legacy
 
 
@@ -127,19 +126,6 @@ class GGUFTensor:
         return _CODEC[t.kind].dequantize(t.name, fields).reshape(self.shape)
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """The encoders run thousands of small elementwise ops in sequence (C's loops over the
-    elements of a block); splitting each over threads costs more than it saves (measured
-    about 10x slower on a busy 2-core machine), so they run on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
 
@@ -174,7 +160,7 @@ def quantize(x, ggml_type: str, imatrix=None) -> GGUFTensor:
                 f"shape {tuple(im.shape)}"
             )
     codec = _CODEC[t.kind]
-    with _one_thread():
+    with torch_threads(1):  # C-like loops of small ops: one thread is faster
         blocks = codec.pack(t.name, codec.quantize(t.name, rows, im))
     return GGUFTensor(t.name, tuple(x.shape), blocks.reshape(rows.shape[0], -1))
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qlab._tensor import torch_threads
 from qlab.lm.data import eval_windows, load_splits, random_batch
 from qlab.lm.model import TinyLM, TinyLMConfig, save_checkpoint
 
@@ -65,14 +66,8 @@ def train(steps: int, threads: int = 2, log_every: int = 50, cfg: TinyLMConfig |
 
     Sets torch's thread count and deterministic mode for the run and restores both after.
     """
-    prev_threads, prev_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
-    try:
+    with torch_threads(threads, deterministic=True):
         return _train(steps, threads, log_every, cfg)
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det)
 
 
 def _train(steps: int, threads: int, log_every: int, cfg: TinyLMConfig | None):

@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from qlab.ptq.gptq import _check_group, _int_scheme, _one_thread, _work, hessian, layer_error
+from qlab._tensor import torch_threads
+from qlab.ptq.gptq import _check_group, _int_scheme, _work, hessian, layer_error
 from qlab.quantize import QTensor, fake_quantize, quantize
 
 __all__ = ["act_mean_abs", "awq_scales", "awq_weight", "awq_search", "awq", "awq_clip",
@@ -92,7 +93,7 @@ def awq_search(weight, x_calib, scheme="int4", group_size: int | None = 128,
     mean_abs = act_mean_abs(x)
     alphas = [i / n_grid for i in range(n_grid)]
     errors, best = [], 0
-    with _one_thread():  # small ops: see qlab.ptq.gptq._one_thread
+    with torch_threads(1):  # small ops: one thread is faster (see qlab._tensor)
         for i, alpha in enumerate(alphas):
             w_hat = awq_weight(w, awq_scales(mean_abs, alpha), scheme, group_size)
             errors.append(layer_error(w, w_hat, h))

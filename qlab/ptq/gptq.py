@@ -26,12 +26,11 @@ that this file follows, each stated where it is implemented below:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
 
-from qlab._tensor import as_float32, check_finite
+from qlab._tensor import as_float32, check_finite, torch_threads
 from qlab.quantize import QTensor, quantize
 from qlab.schemes import Scheme, get_scheme
 
@@ -229,23 +228,10 @@ def _quantize_columns(w1t: torch.Tensor, u1: torch.Tensor, params: ParamsFn, sch
     errors the caller pushes onto the columns after the block. Returns codes (B, N).
     """
     codes = torch.empty(w1t.shape, dtype=sch.grid.code_dtype)
-    with _one_thread():
+    with torch_threads(1):  # small ops (one column, one B x N block): one thread is faster
         for i in range(w1t.shape[0]):
             _quantize_column(i, w1t, u1, params, sch, err_t, codes)
     return codes
-
-
-@contextmanager
-def _one_thread():
-    """Run the column loop on one thread: its ops are small (one column, or a block of
-    B x N), and with several threads each op waits at a barrier for every thread; on a
-    busy machine one descheduled thread makes a 2-microsecond torch.round take 10 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _quantize_column(i, w1t, u1, params, sch, err_t, codes) -> None:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from qlab._tensor import torch_threads
 from qlab.lm.model import TinyLM, load_checkpoint
 from qlab.lm.train import CHECKPOINT
 from qlab.ptq.calibrate import quantize_model
@@ -30,17 +31,13 @@ GPTQ_RUNS = {f"gptq_{name}": r for name, r in RUNS.items() if r.acts is None}
 
 def gptq_baseline(weights: str, group: int, base: TinyLM | None = None) -> tuple[TinyLM, dict]:
     """(TinyLM of QuantLinear layers holding GPTQ's QTensors, meta). 1 torch thread."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         base = load_checkpoint(CHECKPOINT)[0] if base is None else base
         t0 = time.time()
         cal = quantize_model(base, "gptq", weights, group, progress=False)
         meta = {"method": "gptq", "weights": weights, "group": group, "threads": 1,
                 "seconds": round(time.time() - t0, 1), "torch": str(torch.__version__)}
         return with_qtensors(base, cal.qtensors), meta
-    finally:
-        torch.set_num_threads(prev)
 
 
 def load_baseline(name: str) -> tuple[TinyLM, dict]:

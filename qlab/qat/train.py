@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from qlab._tensor import torch_threads
 from qlab.lm.data import load_splits, random_batch
 from qlab.lm.model import TinyLM, load_checkpoint
 from qlab.lm.train import BATCH_SIZE, BLOCK_SIZE, CHECKPOINT, PEAK_LR, evaluate, lr_at
@@ -124,17 +125,11 @@ def train_qat(recipe: Recipe | None = None, threads: int = 1, base: TinyLM | Non
     recipe = recipe or Recipe()
     if recipe.loss not in ("kd", "ce"):
         raise ValueError(f"loss must be 'kd' or 'ce', got {recipe.loss!r}")
-    prev = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
-    try:
+    with torch_threads(threads, deterministic=True):
         base = (load_checkpoint(CHECKPOINT)[0] if base is None else base).eval()
         qat = prepare_qat(base, recipe.weights, recipe.group, act_scheme=recipe.acts)
         opt = torch.optim.AdamW(_param_groups(qat, recipe), betas=(0.9, 0.95))
         return _loop(qat, base, opt, recipe, progress, log, max_steps)
-    finally:
-        torch.set_num_threads(prev[0])
-        torch.use_deterministic_algorithms(prev[1])
 
 
 def _loop(qat, teacher, opt, recipe: Recipe, progress, log, max_steps):

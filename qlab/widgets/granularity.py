@@ -13,7 +13,6 @@ at the bottom only calls them and draws.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ipywidgets as W
@@ -22,6 +21,7 @@ import torch
 
 import qlab
 from qlab import metrics
+from qlab._tensor import torch_threads
 
 from ._render import Blitter, new_figure
 
@@ -171,22 +171,6 @@ def group_grid(qt: qlab.QTensor, group: int | None = None) -> tuple[torch.Tensor
     ts = 1.0 if getattr(qt, "tensor_scale", None) is None else float(qt.tensor_scale)
     levels = (values - zp) * float(scales[group]) * ts
     return levels.sort().values, group
-
-
-@contextmanager
-def one_thread():
-    """Run torch on one thread inside the block, then restore the previous count.
-
-    The explorer's tensors are small (32k elements): splitting them across threads
-    costs more than it saves, and on a busy machine OpenMP threads that wait for a
-    core turn a 0.5 ms quantization into 20 ms.
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 class _Cache:
@@ -414,7 +398,7 @@ class GranularityExplorer(W.VBox):
         family = self.family.value
         self.bits.disabled = family not in INT_FAMILIES
         self.granularity.disabled = family in FIXED_BLOCK
-        with one_thread():
+        with torch_threads(1):  # 32k elements: one thread is faster
             self.data = explorer_data(
                 family,
                 self.bits.value,

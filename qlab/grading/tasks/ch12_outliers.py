@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from qlab.grading.registry import Task, close, register
+from qlab.grading.registry import close, tasks_for
 from qlab.grading.tasks._inputs import choice, randint, weights
 from qlab.ptq import fwht, mixed_precision_matmul, smooth_scales
 
-ASSIGNMENT = "12_outliers"
+task = tasks_for("12_outliers")
 
 
 # --------------------------------------------------------------------------- SmoothQuant
@@ -35,23 +35,12 @@ def _smooth_cases(g: torch.Generator):
     return cases
 
 
-register(
-    Task(
-        grade_id="smooth_scales",
-        func_name="smooth_scales",
-        points=2,
-        assignment=ASSIGNMENT,
-        cases=_smooth_cases,
-        reference=lambda act_absmax, weight_absmax, alpha: smooth_scales(
-            act_absmax, weight_absmax, alpha),
-        # qlab computes in float64 and rounds once; a float32 pow / divide is within a few
-        # float32 ulps (measured over 300 seeds: < 2.4e-7 relative, < 5.5e-7 in the
-        # exp(log) form). Wrong answers (swapped exponents, no zero-channel rule, the paper
-        # code's 1e-5 clamp) are off by factors or non-finite.
-        compare=close(rtol=1e-6),
-        signature="smooth_scales(act_absmax (K,), weight_absmax (K,), alpha) -> float32 (K,)",
-    )
-)
+task("smooth_scales", "smooth_scales", points=2,
+     reference=lambda act_absmax, weight_absmax, alpha: smooth_scales(act_absmax,
+                                                                      weight_absmax, alpha),
+     compare=close(rtol=1e-6),
+     signature="smooth_scales(act_absmax (K,), weight_absmax (K,), alpha) -> float32 (K,)"
+     )(_smooth_cases)
 
 
 # --------------------------------------------------------------------------- FWHT
@@ -70,22 +59,8 @@ def _fwht_cases(g: torch.Generator):
     return cases
 
 
-register(
-    Task(
-        grade_id="fwht",
-        func_name="fwht",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_fwht_cases,
-        reference=lambda x: fwht(x),
-        # float32 butterflies round at each of their log2(n) + 1 passes, in an order that may
-        # differ from qlab's (1/sqrt(2) per pass, passes reversed, H12 first): measured over
-        # 300 seeds, within 6 % of this tolerance (|x| ~ 1..60 here). A wrong normalisation,
-        # Kronecker order, H12 orientation or sign is off by O(1).
-        compare=close(rtol=1e-5, atol=2e-5),
-        signature="fwht(x (..., n)) -> float32 (..., n), n = 2^k or 12 * 2^k",
-    )
-)
+task("fwht", "fwht", points=3, reference=lambda x: fwht(x), compare=close(rtol=1e-5, atol=2e-5),
+     signature="fwht(x (..., n)) -> float32 (..., n), n = 2^k or 12 * 2^k")(_fwht_cases)
 
 
 # --------------------------------------------------------------------------- LLM.int8()
@@ -117,19 +92,7 @@ def _int8_cases(g: torch.Generator):
     return cases
 
 
-register(
-    Task(
-        grade_id="llm_int8_matmul",
-        func_name="llm_int8_matmul",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_int8_cases,
-        reference=lambda x, w, threshold: mixed_precision_matmul(x, w, threshold, "int8"),
-        # The int8 sums are exact and the float16 products exact in float32; only the order of
-        # the float32 sums and of the final rescale may differ (int64 sums, one column at a
-        # time, (acc * s_x) * s_w): within 4 % of this tolerance over 300 seeds. Outliers left
-        # in float32 (not float16) are off by ~1e-3, scales kept in float32 by ~1e-4 relative.
-        compare=close(rtol=2e-5, atol=2e-5),
-        signature="llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)",
-    )
-)
+task("llm_int8_matmul", "llm_int8_matmul", points=3,
+     reference=lambda x, w, threshold: mixed_precision_matmul(x, w, threshold, "int8"),
+     compare=close(rtol=2e-5, atol=2e-5),
+     signature="llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)")(_int8_cases)

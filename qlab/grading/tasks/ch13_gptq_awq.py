@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from qlab.grading.registry import Task, compare_values, register
+from qlab.grading.registry import compare_values, tasks_for
 from qlab.grading.tasks._inputs import choice, randint
 from qlab.ptq import hessian
 from qlab.ptq.awq import act_mean_abs, awq_scales, awq_weight
 from qlab.ptq.gptq import gptq_block, layer_error, prepare_hessian, upper_cholesky_of_inverse
 
-ASSIGNMENT = "13_gptq_awq"
+task = tasks_for("13_gptq_awq")
 
 
 # --------------------------------------------------------------------------- gptq_hinv
@@ -70,18 +70,9 @@ def _hinv_compare(expected, got, args):
                           path="U")
 
 
-register(
-    Task(
-        grade_id="gptq_hinv",
-        func_name="gptq_hinv",
-        points=2,
-        assignment=ASSIGNMENT,
-        cases=_hinv_cases,
-        reference=_hinv_reference,
-        compare=_hinv_compare,
-        signature="gptq_hinv(h float64 (K, K), damp) -> U float64 (K, K), upper triangular",
-    )
-)
+task("gptq_hinv", "gptq_hinv", points=2, reference=_hinv_reference, compare=_hinv_compare,
+     signature="gptq_hinv(h float64 (K, K), damp) -> U float64 (K, K), upper triangular"
+     )(_hinv_cases)
 
 
 # --------------------------------------------------------------------------- gptq_block
@@ -145,19 +136,10 @@ def _block_compare(expected, got, args):
     return compare_values(expected[2], got[2], args, atol=atol, path="err")
 
 
-register(
-    Task(
-        grade_id="gptq_block",
-        func_name="gptq_block",
-        points=4,
-        assignment=ASSIGNMENT,
-        cases=_block_cases,
-        reference=_block_reference,
-        compare=_block_compare,
-        signature="gptq_block(w float64 (N, B), u float64 (B, B), bits, group_size) -> "
-        "(codes int8 (N, B), scales float16 (N, B // group_size), err float64 (N, B))",
-    )
-)
+task("gptq_block", "gptq_block", points=4, reference=_block_reference, compare=_block_compare,
+     signature=("gptq_block(w float64 (N, B), u float64 (B, B), bits, group_size) -> "
+                "(codes int8 (N, B), scales float16 (N, B // group_size), err float64 (N, B))")
+     )(_block_cases)
 
 
 # --------------------------------------------------------------------------- awq_scale
@@ -204,16 +186,7 @@ def _awq_compare(expected, got, args):
             or compare_values(expected[1], got[1], args, rtol=1e-3, path="err"))
 
 
-register(
-    Task(
-        grade_id="awq_scale",
-        func_name="awq_scale",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_awq_cases,
-        reference=_awq_reference,
-        compare=_awq_compare,
-        signature="awq_scale(x float32 (n, K), w float32 (N, K), alpha, bits, group_size) -> "
-        "(s float32 (K,), err float)",
-    )
-)
+task("awq_scale", "awq_scale", points=3, reference=_awq_reference, compare=_awq_compare,
+     signature=("awq_scale(x float32 (n, K), w float32 (N, K), alpha, bits, group_size) -> "
+                "(s float32 (K,), err float)")
+     )(_awq_cases)

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from qlab.grading.registry import Task, compare_values, exact, register
+from qlab.grading.registry import compare_values, exact, tasks_for
 from qlab.grading.tasks._inputs import choice, randint, weights
 from qlab.qat import fake_quantize_ste, lsq_fake_quantize, lsq_grad_scale
 
-ASSIGNMENT = "14_qat"
+task = tasks_for("14_qat")
 EPS32 = 2.0**-24  # float32 unit roundoff
 
 
@@ -85,18 +85,10 @@ def _ste_reference(x, bits, group_size, grad_y):
     return y.detach(), x.grad
 
 
-register(
-    Task(
-        grade_id="ste_fake_quantize",
-        func_name="ste_fake_quantize",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_ste_cases,
-        reference=_ste_reference,
-        compare=exact(names=("y", "grad_x")),
-        signature="ste_fake_quantize(x (R, K), bits, group_size, grad_y (R, K)) -> (y, grad_x)",
-    )
-)
+task("ste_fake_quantize", "ste_fake_quantize", points=3, reference=_ste_reference,
+     compare=exact(names=("y", "grad_x")),
+     signature="ste_fake_quantize(x (R, K), bits, group_size, grad_y (R, K)) -> (y, grad_x)"
+     )(_ste_cases)
 
 
 # --------------------------------------------------------------------------- LSQ
@@ -165,16 +157,7 @@ def _lsq_compare(expected, got, args):
     return compare_values(expected[2], got[2], args, atol=atol, path="grad_scale")
 
 
-register(
-    Task(
-        grade_id="lsq_quantize",
-        func_name="lsq_quantize",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_lsq_cases,
-        reference=_lsq_reference,
-        compare=_lsq_compare,
-        signature="lsq_quantize(x (R, K), scale (R, G), bits, grad_scale, grad_y (R, K)) "
-        "-> (y, grad_x, grad_scale (R, G))",
-    )
-)
+task("lsq_quantize", "lsq_quantize", points=3, reference=_lsq_reference, compare=_lsq_compare,
+     signature=("lsq_quantize(x (R, K), scale (R, G), bits, grad_scale, grad_y (R, K)) "
+                "-> (y, grad_x, grad_scale (R, G))")
+     )(_lsq_cases)

@@ -28,11 +28,11 @@ import torch
 
 import qlab
 import qlab.gguf as G
-from qlab.grading.registry import Task, exact, register
+from qlab.grading.registry import exact, tasks_for
 from qlab.grading.tasks._inputs import randint, weights
 from qlab.scales import round_half_away
 
-ASSIGNMENT = "15_gguf"
+task = tasks_for("15_gguf")
 
 
 def _rand_bytes(g: torch.Generator, n: int, size: int) -> torch.Tensor:
@@ -72,18 +72,9 @@ def _q4_0_cases(g: torch.Generator):
     return cases
 
 
-register(
-    Task(
-        grade_id="q4_0_decode",
-        func_name="decode_q4_0",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_q4_0_cases,
-        reference=lambda blocks: G.from_bytes("Q4_0", (len(blocks), 32), blocks).dequantize(),
-        compare=exact(),
-        signature="decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)",
-    )
-)
+task("q4_0_decode", "decode_q4_0", points=3,
+     reference=lambda blocks: G.from_bytes("Q4_0", (len(blocks), 32), blocks).dequantize(),
+     compare=exact(), signature="decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)")(_q4_0_cases)
 
 
 # --------------------------------------------------------------------------- Q4_K scales
@@ -119,18 +110,10 @@ def _q4k_reference(blocks: torch.Tensor):
     return scales, mins
 
 
-register(
-    Task(
-        grade_id="q4_k_scales",
-        func_name="q4k_scales",
-        points=3,
-        assignment=ASSIGNMENT,
-        cases=_q4k_cases,
-        reference=_q4k_reference,
-        compare=exact(names=("scales", "mins")),
-        signature="q4k_scales(blocks uint8 (n, 144)) -> (scales float32 (n, 8), mins (n, 8))",
-    )
-)
+task("q4_k_scales", "q4k_scales", points=3, reference=_q4k_reference,
+     compare=exact(names=("scales", "mins")),
+     signature="q4k_scales(blocks uint8 (n, 144)) -> (scales float32 (n, 8), mins (n, 8))"
+     )(_q4k_cases)
 
 
 # --------------------------------------------------------------------------- Q8_0 quantize
@@ -190,15 +173,7 @@ def _q8_reference(x: torch.Tensor):
     return qt.scales, qt.codes
 
 
-register(
-    Task(
-        grade_id="q8_0_quantize",
-        func_name="quantize_q8_0",
-        points=2,
-        assignment=ASSIGNMENT,
-        cases=_q8_cases,
-        reference=_q8_reference,
-        compare=exact(names=("d", "q")),
-        signature="quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))",
-    )
-)
+task("q8_0_quantize", "quantize_q8_0", points=2, reference=_q8_reference,
+     compare=exact(names=("d", "q")),
+     signature="quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))"
+     )(_q8_cases)
