@@ -238,7 +238,7 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _w4a16_gemm_kernel(
+def _w4a16_gemm_kernel(  # ~60 lines: half of them the argument list, Triton-tutorial style
     # pointers
     x_ptr,  # fp16/bf16 (M, K)
     packed_ptr,  # uint8 (N, K // 2)

@@ -239,6 +239,7 @@ def explorer_data(
                    block), independent of the granularity slider
       readout      the text of the numeric readout
     """
+    # Long but flat (no branches beyond one): each block computes one field of the result.
     cache = cache or _DEFAULT_CACHE
     w = cache.get_weights(outlier_strength, seed)
     m, qt = cache.get(outlier_strength, seed, family, bits, granularity)
@@ -328,6 +329,7 @@ class GranularityExplorer(W.VBox):
         outlier_strength: float = 20.0,
         seed: int = 0,
     ):
+        # Long but declarative: one statement per control, then the layout and the wiring.
         self.seed = seed
         self._cache = _Cache()
         style = {"description_width": "110px"}
