@@ -31,6 +31,7 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_quantize.py
+	$(BIN)/python benchmarks/bench_gptq.py
 
 clean:
 	rm -rf $(VENV)
