@@ -9,6 +9,19 @@ from qlab.packing import pack_int4, unpack_int4
 from qlab.quantize import QTensor, dequantize, fake_quantize, quantize
 from qlab.schemes import SCHEME_NAMES, SCHEMES, Scheme, get_scheme, int_scheme
 
+# Subpackages load on first use (PEP 562), so `import qlab` stays light and
+# `qlab.ptq.gptq(...)` works without an explicit `import qlab.ptq`.
+_SUBPACKAGES = ("data", "gguf", "grading", "kernels", "lm", "pipelines", "ptq", "qat", "widgets")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"qlab.{name}")
+    raise AttributeError(f"module 'qlab' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"
 __all__ = [
     "quantize",

@@ -84,3 +84,21 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
     path.write_text("def f():\n    from qlab.quantize import fake_quantize\n")
     assert _imports("qlab.scales", path, {"qlab.quantize", "qlab.scales"}) == {"qlab.quantize"}
     assert _find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def test_subpackages_load_on_first_use():
+    # a fresh interpreter: `import qlab` alone, then the DESIGN.md spellings
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, qlab\n"
+        "assert 'qlab.ptq' not in sys.modules and 'qlab.gguf' not in sys.modules\n"
+        "assert qlab.ptq.hadamard(12).shape == (12, 12)\n"
+        "assert callable(qlab.qat.fake_quantize_ste) and callable(qlab.gguf.load)\n"
+        "assert callable(qlab.lm.minilm.load) and callable(qlab.lm.quality.compare)\n"
+        "try:\n    qlab.no_such_thing\nexcept AttributeError:\n    pass\n"
+        "else:\n    raise SystemExit('no AttributeError')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
