@@ -53,13 +53,9 @@ BUILD_TIMEOUT_S = 1800  # every chapter executed once on a busy 2-core machine, 
 PAGE_TIMEOUT_S = 60
 FAKE_REPO = "https://github.com/example/qlab"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-# Chapters that plot nothing yet (the kernel labs 08-10 print tables only). Each must still
+# Chapters that plot nothing yet (none: every chapter draws a figure). Each must still
 # have no figure: the test fails as soon as one gains a figure, so it leaves this list.
-NO_FIGURE_YET = {
-    "notebooks/08_triton_primer.html",
-    "notebooks/09_w4a16_kernel.html",
-    "notebooks/10_fp8_kernel.html",
-}
+NO_FIGURE_YET: set[str] = set()
 
 
 def _missing(reason: str):
