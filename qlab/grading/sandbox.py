@@ -141,16 +141,15 @@ def bwrap_argv(rw: list[str], hide: list[str], env: dict[str, str], chdir: str) 
     for k, v in {**base, **env}.items():
         args += ["--setenv", k, v]
     args += ["--proc", "/proc", "--dev", "/dev", *_system_binds()]
-    roots = python_roots()
-    for r in roots:
-        args += ["--ro-bind", r, r]
     tmps = sorted({"/tmp", os.path.realpath(tempfile.gettempdir())})
-    covered = [*tmps, "/dev", "/proc"]
     for t in tmps:  # other kernels' folders live here: an empty, read-only /tmp instead
         args += ["--tmpfs", t]
+    roots = python_roots()
+    for r in roots:  # after the tmpfs: a venv or a checkout under /tmp stays importable
+        args += ["--ro-bind", r, r]
     ro_again = [*tmps]
-    for h in map(os.path.realpath, hide):
-        if not os.path.exists(h) or not _visible(h, roots) or _visible(h, covered):
+    for h in map(os.path.realpath, hide):  # only what a root brings back needs hiding
+        if not os.path.exists(h) or not _visible(h, roots):
             continue
         if os.path.isdir(h):
             args += ["--tmpfs", h]
