@@ -19,9 +19,12 @@ from qlab.grading import CheckFailed, check, get_task
 from qlab.grading.isolate import can_fork, run_in_child
 from qlab.grading.registry import make_cases
 
-triton = pytest.importorskip("triton")  # Linux wheels only; CI has it
-tl = pytest.importorskip("triton.language")
-import qlab.kernels as qk  # noqa: E402  (picks the GPU or the CPU interpreter)
+# isort: split
+import qlab.kernels as qk  # first: it picks the GPU or the CPU interpreter (needs Triton)
+
+# isort: split
+import triton  # Linux wheels only; the test extra installs it there
+import triton.language as tl
 
 GID = "triton_unpack_int4"  # unpack_int4_triton(packed uint8 (R, B)) -> int8 (R, 2B)
 STATE = {"calls": 0}  # the parent's state: a crash in the child must not touch it
