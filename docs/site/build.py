@@ -1,11 +1,14 @@
 """Build the course website: execute the chapters, stage them with the docs, run Sphinx.
 
     python docs/site/build.py [--out site] [--jobs N] [--only 00 07] [--solutions]
+                              [--executed DIR]
 
 1. Execute every ``notebooks/NN_*.ipynb`` with nbclient in a fresh kernel whose working
    directory is ``notebooks/`` (as the tests' nbval run has it), with the
    ``qlab_static_widgets`` extension loaded so widgets carry a static picture. A chapter
-   that fails stops the build, naming the chapter, the cell and the error.
+   that fails stops the build, naming the chapter, the cell and the error. With
+   ``--executed DIR``, a chapter already executed there (by tests/notebooks, whose run
+   is this one) is taken as it is when its cells are the chapter's own.
 2. Stage a Sphinx source tree that mirrors the repository (``notebooks/``,
    ``exercises/``, ``docs/``, and ``index.md`` made from the README's introduction and
    course map): executed chapters, exercise statements as committed (stubs, no
@@ -174,6 +177,27 @@ def execute_all(
     if failures:
         raise BuildError("\n\n".join(sorted(failures)))
     return results
+
+
+def already_executed(
+    paths: list[Path], folder: Path | None, root: Path = REPO
+) -> tuple[dict[str, nbformat.NotebookNode], list[Path]]:
+    """({repo-relative path: executed copy} for each of ``paths`` with a copy in ``folder``
+    whose cells are its own, [the paths still to execute])."""
+    done, rest = {}, []
+    for path in paths:
+        copy = folder / path.name if folder else None
+        if copy and copy.is_file():
+            nb = nbformat.read(copy, as_version=4)
+            if _sources(nb) == _sources(nbformat.read(path, as_version=4)):
+                done[path.relative_to(root).as_posix()] = nb
+                continue
+        rest.append(path)
+    return done, rest
+
+
+def _sources(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source) for c in nb.cells]
 
 
 # ---------------------------------------------------------------- 2. stage
@@ -356,16 +380,20 @@ def build(
     only: list[str] | None = None,
     solutions: bool = False,
     root: Path = REPO,
+    executed_dir: Path | None = None,
 ) -> list[str]:
     """The whole build (execute, stage, render); returns the staged pages."""
     repo = Repo(root, repo_url(root), os.environ.get("QLAB_REPO_BRANCH", "main"))
     chapters = numbered(root / "notebooks", only)
     if not chapters:
         raise BuildError(f"no notebooks/NN_*.ipynb found under {root} (--only {only})")
-    to_run = chapters + (numbered(root / "solutions", only) if solutions else [])
+    wanted = chapters + (numbered(root / "solutions", only) if solutions else [])
+    executed, to_run = already_executed(wanted, executed_dir, root)
     start = time.monotonic()
+    if executed:
+        print(f"{len(executed)} notebook(s) taken as executed in {executed_dir}", flush=True)
     print(f"executing {len(to_run)} notebook(s), {jobs} at a time ...", flush=True)
-    executed = execute_all(to_run, jobs, root)
+    executed |= execute_all(to_run, jobs, root)
     print(f"executed in {time.monotonic() - start:.0f} s; rendering ...", flush=True)
     pages = stage(repo, work / "src", executed, solutions)
     sphinx(work / "src", out, work / "doctrees", repo)
@@ -380,9 +408,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="chapters executed at once (default 1)")
     p.add_argument("--only", nargs="+", metavar="NN", help="only these chapters, e.g. 00 07")
     p.add_argument("--solutions", action="store_true", help="also publish solutions/ (executed)")
+    p.add_argument(
+        "--executed",
+        type=Path,
+        metavar="DIR",
+        help="take chapters already executed in DIR (by the tests) when their cells match",
+    )
     args = p.parse_args(argv)
     try:
-        build(Path(args.out), Path(args.work), args.jobs, args.only, args.solutions)
+        build(
+            Path(args.out),
+            Path(args.work),
+            args.jobs,
+            args.only,
+            args.solutions,
+            executed_dir=args.executed,
+        )
     except BuildError as e:
         print(f"make site: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,9 @@ of the 16 block linears on its default calibration text (32 windows of 256 bytes
 TRAINING split, seeded), 1 torch thread. Round-to-nearest needs no file: notebook 14
 computes it. W4A4's GPTQ baseline is gptq_w4g64 with int4 activations per token, applied at
 evaluation like every activation quantizer (qlab.lm.quality.quantize_activations).
-tests/qat/test_baselines.py re-runs one and compares codes and scales bit for bit.
+tests/qat/test_baselines.py re-runs one: bit for bit on the CPU that wrote it; on another
+CPU GPTQ passes last-bit differences on to later codes, so it compares the first layer's
+codes and the model's KL to float.
 """
 
 from __future__ import annotations

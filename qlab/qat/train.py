@@ -19,8 +19,9 @@ rate, the LSQ steps with their own. Then it converts, evaluates on all 382 valid
 windows and writes the QTensor checkpoint (qlab.qat.checkpoint) and a log of every step.
 
 Reproducible like qlab.lm.train: seeded window order (a torch.Generator of its own),
-deterministic algorithms, a fixed number of steps; the same torch build and thread count
-give the same bytes (tests/qat replays the first logged losses of every shipped run).
+deterministic algorithms, a fixed number of steps; the same CPU, torch build and thread
+count give the same bytes (tests/qat replays the first logged losses of every shipped run,
+within the last float bits another CPU changes).
 """
 
 from __future__ import annotations

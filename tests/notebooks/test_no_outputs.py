@@ -2,7 +2,8 @@
 
 A committed output goes stale the moment qlab changes, bloats diffs, and can
 hide a figure that no longer matches; the course's figures are recomputed and
-asserted when the notebooks run (nbval), never stored.
+asserted when the notebooks run (tests/notebooks/test_chapters.py, nbval for
+solutions/), never stored.
 """
 
 import re

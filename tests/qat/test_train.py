@@ -38,13 +38,18 @@ def test_shipped_runs_are_small_and_describe_themselves():
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_the_script_reproduces_the_first_logged_losses(name):
-    """Same torch build and thread count -> the same bytes (qlab.lm.train's promise); the
-    log keeps 4 decimals, so any change of seed, data order, learning rate, initial steps
-    or quantizer shows up in the first two steps."""
+    """The script replays the first two logged steps. On the CPU that wrote the logs the bytes
+    are the same (qlab.lm.train's promise); another CPU's BLAS sums in another order, which
+    moved W4A4's second loss by 0.08 % on an AMD EPYC (0.3840 against 0.3843). Hence the
+    tolerances: step 0 (a forward pass: seed, data order and quantizer) to the log's 4
+    decimals; step 1 to 0.2 % + half the log's last digit, while 10 % less learning rate
+    moves W4A4's second loss by 0.5 % and int4's by 0.8 %."""
     _, meta = load_run(name)
     _, hist, _ = train_qat(RUNS[name], threads=meta["threads"], progress=False, max_steps=2)
     logged = _logged_losses(name)
-    assert [f"{loss:.4f}" for _, loss in hist] == [logged[0], logged[1]]
+    (_, first), (_, second) = hist
+    assert abs(first - float(logged[0])) <= 0.6e-4, (first, logged[0])
+    assert abs(second - float(logged[1])) <= 0.5e-4 + 2e-3 * second, (second, logged[1])
 
 
 def test_shipped_qat_beats_ptq_at_the_same_bits():

@@ -65,8 +65,11 @@ def _missing(reason: str):
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> tuple[Path, Path | None]:
-    """(built site folder, its staged source folder or None when QLAB_SITE_DIR is given)."""
+def site(tmp_path_factory, executed_chapters) -> tuple[Path, Path | None]:
+    """(built site folder, its staged source folder or None when QLAB_SITE_DIR is given).
+
+    Chapters that tests/notebooks/test_chapters.py executed earlier in this session are
+    taken from there (the same run); the build executes the others."""
     if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)):
         _missing(f"Chromium not found at {CHROMIUM}: apt-get install -y chromium")
     given = os.environ.get("QLAB_SITE_DIR")
@@ -84,6 +87,8 @@ def site(tmp_path_factory) -> tuple[Path, Path | None]:
             str(tmp / "site"),
             "--work",
             str(tmp / "work"),
+            "--executed",
+            str(executed_chapters),
         ],
         cwd=REPO,
         env=env,

@@ -142,6 +142,22 @@ def test_a_failing_chapter_fails_the_build_and_is_named(tmp_path):
     assert "98_fine" not in message  # the chapter that ran is not blamed
 
 
+def test_a_chapter_executed_by_the_tests_is_taken_only_while_its_cells_are_the_same(tmp_path):
+    root, done = tmp_path / "repo", tmp_path / "executed"
+    _stage_fake_repo(root, ["print('hi')"])
+    done.mkdir()
+    chapters = build.numbered(root / "notebooks")
+    assert build.already_executed(chapters, done, root) == ({}, chapters)  # none there yet
+    ran = build.execute_all(chapters, 1, root)["notebooks/98_fine.ipynb"]
+    nbformat.write(ran, done / "98_fine.ipynb")
+    taken, rest = build.already_executed(chapters, done, root)
+    assert rest == [] and taken["notebooks/98_fine.ipynb"].cells[1].outputs[0]["text"] == "hi\n"
+    source = nbformat.read(chapters[0], as_version=4)
+    source.cells[1].source = "print('changed')"  # the chapter was edited after that run
+    nbformat.write(source, chapters[0])
+    assert build.already_executed(chapters, done, root) == ({}, chapters)
+
+
 def test_stage_mirrors_the_repository(tmp_path):
     root = tmp_path / "repo"
     _stage_fake_repo(root, ["print('hi')"])
