@@ -119,6 +119,10 @@ M_BUCKETS: tuple[tuple[float, str], ...] = (
 )
 
 C = Config
+_FP8_SWAP_AB = (
+    C(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=5),
+    C(block_m=16, block_n=128, block_k=128, num_warps=8, num_stages=4),
+)
 CONFIGS: dict[tuple[str, str], tuple[Config, ...]] = {
     # W4A16 decode: the GEMV. block_n rows x block_k / 2 packed bytes per step; 16 bytes
     # per thread per step (a 128-bit cp.async), stages of the K loop in flight.
@@ -141,15 +145,10 @@ CONFIGS: dict[tuple[str, str], tuple[Config, ...]] = {
         C(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
         C(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3),
     ),
-    # FP8, swap-AB below 129 tokens: E4M3 weights on the 64-row side of wgmma.
-    ("fp8", "decode"): (
-        C(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=5),
-        C(block_m=16, block_n=128, block_k=128, num_warps=8, num_stages=4),
-    ),
-    ("fp8", "small"): (
-        C(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=5),
-        C(block_m=16, block_n=128, block_k=128, num_warps=8, num_stages=4),
-    ),
+    # FP8, swap-AB below 129 tokens: E4M3 weights on the 64-row side of wgmma (decode and
+    # small share one list: 16 tokens is the narrowest wgmma side either way).
+    ("fp8", "decode"): _FP8_SWAP_AB,
+    ("fp8", "small"): _FP8_SWAP_AB,
     ("fp8", "medium"): (
         C(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4),
         C(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),

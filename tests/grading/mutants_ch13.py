@@ -2,7 +2,7 @@
 grading_bank.MUTANTS. Each is the solution cell of solutions/13_gptq_awq.ipynb with one
 textual change (an edit whose text is gone fails loudly at import), one per spec clause
 listed in qlab/grading/tasks/ch13_gptq_awq.py; test_grading_check.py runs each through
-`check` on several seeds, tests/ptq/test_gptq.py and test_awq.py on many more.
+`check` on 24 seeds, and each must fail on every one.
 
 MUTANTS[grade_id] = [(name, cell source), ...]; each must cost exactly its task's points.
 """
@@ -23,46 +23,46 @@ NORMALISE = "s = s / (s.max() * s.min()).sqrt()"
 # grade_id -> [(name, [(old, new), ...])]: every `old` must occur in the solution cell.
 _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "gptq_hinv": [
-        ("no fix for dead inputs (H_ii = 0 + damp)", [(DEAD, "pass\n")]),
+        ("H1 no fix for dead inputs (H_ii = 0 + damp)", [(DEAD, "pass\n")]),
         (
-            "damped before the dead inputs are fixed (their 1s miss the mean)",
+            "H2 damped before the dead inputs are fixed (their 1s miss the mean)",
             [(DEAD + "    " + DAMP, DAMP + "    " + DEAD)],
         ),
-        ("absolute damp (H + damp I)", [("damp * torch.diag(h).mean() *", "damp *")]),
-        ("lower Cholesky factor of H^-1", [(FACTOR, "return torch.linalg.cholesky(h_inv)")]),
+        ("H3 absolute damp (H + damp I)", [("damp * torch.diag(h).mean() *", "damp *")]),
+        ("H4 lower Cholesky factor of H^-1", [(FACTOR, "return torch.linalg.cholesky(h_inv)")]),
         (
-            "Cholesky factor of H, not of H^-1",
+            "H4 Cholesky factor of H, not of H^-1",
             [(FACTOR, "return torch.linalg.cholesky(h, upper=True)")],
         ),
     ],
     "gptq_block": [
-        ("round half away from zero",
+        ("B1 round half away from zero",
          [(ROUND, "(torch.sign(w[:, i]) * torch.floor((w[:, i].float() / s).abs() + 0.5))")]),
         (
-            "scales kept in float32",
+            "B2 scales kept in float32",
             [("scales = torch.zeros(n, b // group_size, dtype=torch.float16)",
               "scales = torch.zeros(n, b // group_size, dtype=torch.float32)"),
              (".to(torch.float16)", "")],
         ),
         (
-            "group scales from the block's input weights (the reference's W[:, j:j+g])",
+            "B3 group scales from the block's input weights (the reference's W[:, j:j+g])",
             [("w = w.clone()", "w = w.clone()\n    w_in = w.clone()"),
              (SCALE, SCALE.replace("cols = w[", "cols = w_in["))],
         ),
-        ("err not divided by U_ii", [("(w[:, i] - q) / u[i, i]", "(w[:, i] - q)")]),
-        ("no update inside the block (RTN)", [(UPDATE, "pass")]),
-        ("update with column i of U (U^T)", [(UPDATE, UPDATE.replace("u[i, i:]", "u[i:, i]"))]),
+        ("B4 err not divided by U_ii", [("(w[:, i] - q) / u[i, i]", "(w[:, i] - q)")]),
+        ("B5 no update inside the block (RTN)", [(UPDATE, "pass")]),
+        ("B5 update with column i of U (U^T)", [(UPDATE, UPDATE.replace("u[i, i:]", "u[i:, i]"))]),
     ],
     "awq_scale": [
-        ("mean of x, not of |x|", [(MEAN_ABS, "mean_abs = x.mean(dim=0).abs()")]),
-        ("max |x| instead of the mean", [(MEAN_ABS, "mean_abs = x.abs().amax(dim=0)")]),
-        ("no clamp: a dead channel gets s = 0", [(".clamp(min=1e-4)", "")]),
-        ("not normalised", [(NORMALISE, "pass")]),
-        ("normalised by the largest scale", [(NORMALISE, "s = s / s.max()")]),
-        ("Q(W s) not divided back by s",
+        ("A1 mean of x, not of |x|", [(MEAN_ABS, "mean_abs = x.mean(dim=0).abs()")]),
+        ("A1 max |x| instead of the mean", [(MEAN_ABS, "mean_abs = x.abs().amax(dim=0)")]),
+        ("A2 no clamp: a dead channel gets s = 0", [(".clamp(min=1e-4)", "")]),
+        ("A3 not normalised", [(NORMALISE, "pass")]),
+        ("A3 normalised by the largest scale", [(NORMALISE, "s = s / s.max()")]),
+        ("A4 Q(W s) not divided back by s",
          [('qlab.fake_quantize(w * s, f"int{bits}", group_size) / s',
            'qlab.fake_quantize(w * s, f"int{bits}", group_size)')]),
-        ("error summed, not averaged", [("** 2).mean()", "** 2).sum()")]),
+        ("A5 error summed, not averaged", [("** 2).mean()", "** 2).sum()")]),
     ],
 }
 

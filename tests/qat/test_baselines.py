@@ -21,7 +21,7 @@ def test_the_script_reproduces_a_shipped_baseline():
     of the int4 baseline came back bit for bit, later layers differed in up to 25 % of their
     codes, and the model's KL to float within 0.2 % (RTN's is 6x larger). So the first layer
     (calibrated on the float model's own inputs) must agree in 99 % of its codes (other
-    calibration text moves 17 % of them) and the model's KL lie within 5 % of the shipped one's
+    calibration text moves 17 % of them) and the model's KL lie within 2 % of the shipped one's
     (a change in chapter 13's GPTQ or its calibration shows up here: then re-run
     `python -m qlab.qat.baselines`)."""
     shipped, _ = load_baseline("gptq_w4g64")
@@ -33,4 +33,4 @@ def test_the_script_reproduces_a_shipped_baseline():
     ref = Q.logits(Q.load_model(), windows)
     kl_shipped = Q.compare(ref, Q.logits(shipped, windows), windows).kl
     kl_fresh = Q.compare(ref, Q.logits(fresh, windows), windows).kl
-    assert abs(kl_fresh - kl_shipped) <= 0.05 * kl_shipped, (kl_fresh, kl_shipped)
+    assert abs(kl_fresh - kl_shipped) <= 0.02 * kl_shipped, (kl_fresh, kl_shipped)

@@ -1,4 +1,24 @@
-"""Chapter 12 (outliers): SmoothQuant scales, the fast Walsh-Hadamard transform, LLM.int8()."""
+"""Chapter 12 (outliers): SmoothQuant scales, the fast Walsh-Hadamard transform, LLM.int8().
+
+Spec clauses, and the fixed case (present on every seed) where breaking each one changes
+the answer (tests/grading/mutants_ch12.py holds a mutant per clause):
+
+smooth_scales(act_absmax, weight_absmax, alpha) -> float32 (K,)
+  S1 s = a^alpha / w^(1 - alpha): activations over weights ..... every case (alpha 0, 1 too)
+  S2 s = 1 on a channel where a = 0 OR w = 0 (not clamped) ..... a dead channel in every case
+fwht(x (..., n)) -> float32 (..., n)
+  F1 orthonormal: divided by sqrt(n) once, 12-point part included .. every case
+  F2 the butterfly is (a + b, a - b) ................................. every case
+  F3 n = 12 * 2^k: the 12-point matrix (as qlab.ptq.hadamard builds it)
+     kron H_2^k, the 12-point one outside, every block mixed ......... the 12 * 2^k cases
+llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)
+  I1 outlier COLUMNS: any |x| >= threshold (ends included) in them .. a value == threshold
+  I2 the threshold is the argument, not 6 ........................... a case at 3 or 4.5
+  I3 outlier columns in fp16 (x and w rounded to float16) ........... every case
+  I4 the rest int8 with fp16 scales per token and per output channel,
+     from the rows with the outlier columns removed ................. every case
+  I5 an all-zero int8 row (scale 0) gives 0, not NaN ................ the third case
+"""
 
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ lsq_quantize(x, scale, bits, grad_scale, grad_y) -> (y, grad_x, grad_scale)
   L3 ds: round(u) - u inside, -Q / +Q where clamped .................... every case
   L4 x == +-Q s exactly counts as inside (ds = 0, not +-Q) ............. "edges", row 0
   L5 summed over each group's elements, times grad_scale ............... every case
-  L6 all-zero group: y = 0, no NaN, ds = 0 ............................. "edges", row 0
+  (and an all-zero group, "edges" row 0: y = 0, no NaN, ds = 0; with the given scale > 0
+  no rule above can break it, so it has no mutant of its own)
 """
 
 from __future__ import annotations
