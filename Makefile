@@ -1,6 +1,7 @@
 # The course in two commands:
 #   make lab    set up (a virtual environment in .venv if there is none) and open JupyterLab
 #   make test   set up, then run every test: qlab, kernels, grading, notebooks, browser
+#   make test-fast  the tests not marked slow (tests/conftest.py), for the inner loop
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,12 @@ PYTEST_NB := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
 # (on Linux, PyPI's torch is the multi-GB CUDA build): make lab TORCH_INDEX=<url>
 TORCH_INDEX ?=
 
-.PHONY: setup lab test bench clean system-deps
+.PHONY: setup lab test test-fast bench clean system-deps
+
+# OpenMP threads that wait sleep instead of spinning, in JupyterLab's kernels, the tests
+# and the site build: busy-waiting threads take the cores other work needs (qlab/_tensor.py).
+# OpenMP reads it once, when torch loads it, so it is set here, in the environment.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 setup: $(STAMP)
 
@@ -31,6 +37,10 @@ lab: setup
 test: setup
 	$(BIN)/python -m pytest tests solutions $(PYTEST_NB)
 
+# the inner loop: every test not marked slow (no notebook runs, no builds), about 2 minutes
+test-fast: setup
+	$(BIN)/python -m pytest tests -m "not slow"
+
 bench: setup
 	$(BIN)/python benchmarks/bench_quantize.py
 	$(BIN)/python benchmarks/bench_gptq.py
@@ -38,13 +48,15 @@ bench: setup
 clean:
 	rm -rf $(VENV)
 
-# Debian/Ubuntu system tools the tests use: chromium (browser tests) and bubblewrap
-# (`qlab grade` sandboxes each student kernel with bwrap). Needs root or sudo.
+# Debian/Ubuntu system tools the tests use: chromium (browser tests), bubblewrap
+# (`qlab grade` sandboxes each student kernel with bwrap) and gcc (tests/gguf compiles
+# llama.cpp's quantizer as an oracle). Needs root or sudo.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 system-deps:
-	@if ! command -v chromium >/dev/null 2>&1 || ! command -v bwrap >/dev/null 2>&1; then \
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v bwrap >/dev/null 2>&1 || \
+	    ! command -v gcc >/dev/null 2>&1; then \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium bubblewrap >/dev/null; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium bubblewrap gcc >/dev/null; \
 	fi
 
 # The course as a static website in site/ (docs/SITE.md): executes every notebook with

@@ -27,6 +27,12 @@ NO_TRITON_MESSAGE = (
     "`pip install triton` there. Every other notebook works without it."
 )
 
+NO_NUMPY_MESSAGE = (
+    "qlab.kernels: Triton's CPU interpreter (TRITON_INTERPRET=1, chosen when there is no "
+    "CUDA GPU) needs numpy: `pip install numpy`. On a GPU, or with TRITON_INTERPRET=0 for "
+    "ahead-of-time builds, qlab.kernels needs torch and triton only."
+)
+
 HAS_CUDA: bool = torch.cuda.is_available()
 _TRUE = ("1", "true", "on", "yes")  # how Triton reads a boolean environment variable
 
@@ -47,6 +53,8 @@ _language_was_imported = "triton.language" in sys.modules
 try:
     import triton  # noqa: F401  (imported after TRITON_INTERPRET is settled)
 except ImportError as err:  # macOS/Windows (tests/kernels/test_kernel_backend.py)
+    if err.name == "numpy":  # triton/runtime/interpreter.py imports numpy; a GPU build does not
+        raise ImportError(NO_NUMPY_MESSAGE) from err
     raise ImportError(NO_TRITON_MESSAGE) from err
 
 #: True when kernels run on Triton's CPU interpreter.
@@ -110,6 +118,20 @@ def check_linear_weight(weight) -> None:
             f"weight must be 2-D (out_features N, in_features K) like nn.Linear.weight, "
             f"got shape {tuple(weight.shape)}"
         )
+
+
+def needs_int64(*tensors) -> bool:
+    """True when an element offset into one of the tensors can pass 2**31 - 1: the kernels
+    then compute row offsets (row * stride) in int64 (their INDEX_64 flag), since int32
+    products would wrap, e.g. y of a 128K-vocabulary lm_head at 16.7K tokens (M * N > 2**31).
+    Smaller launches keep int32 offsets: the same binary as before, no 64-bit multiplies."""
+    for t in tensors:
+        dims = [(size, t.stride(d)) for d, size in enumerate(t.shape)]
+        if any(size == 0 for size, _ in dims):
+            continue
+        if sum((size - 1) * stride for size, stride in dims) >= 2**31 - 1:
+            return True
+    return False
 
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)

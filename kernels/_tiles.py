@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tile_coords", "store_or_reduce", "split_k_buffers"]
+__all__ = ["tile_coords", "store_or_reduce", "split_k_buffers", "reset_counters"]
 
 
 @triton.jit
@@ -80,6 +80,14 @@ def split_k_buffers(
         return dummy, _counters(1, device)
     workspace = torch.empty(split_k * num_tiles * tile_elems, dtype=torch.float32, device=device)
     return workspace, _counters(num_tiles, device)
+
+
+def reset_counters() -> None:
+    """Zero every split-K counter. After a launch that did not finish (an exception inside
+    the interpreter's grid, an interrupt), tiles stay counted in and the next launch would
+    never write them; Launch calls this when a launch raises."""
+    for counters in _COUNTERS.values():
+        counters.zero_()
 
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:

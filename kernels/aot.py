@@ -1,7 +1,8 @@
 """Ahead-of-time builds for real GPUs, on any CPU: qlab.kernels.compile_for.
 
     compile_for("w4a16", M=1, N=4096, K=4096)          # sm_90 (Hopper) by default
-    -> {"ptx", "n_regs", "n_spills", "shared", "grid", "config", "kernel", "launches"}
+    -> {"ptx", "cubin", "sass", "n_regs", "spill_bytes", "ptxas", "main_loop", "shared",
+        "grid", "config", "kernel", "meta", "launches"}
 
 It builds exactly what the wrapper would launch for that shape: the wrapper's own plan
 (kernels/w4a16.py `plan`, kernels/fp8.py `plan_gemm`), the default config of the shape's
@@ -11,14 +12,25 @@ then Triton's GPU pipeline TTIR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for `ar
 No driver is needed. The kernels on a machine without a GPU are interpreter functions, so
 the build runs in a fresh Python with TRITON_INTERPRET=0 (a few seconds; Triton caches).
 
-n_regs / n_spills / shared are what the CUDA driver would report when loading the cubin:
-registers per thread, local-memory bytes per thread (spills), static shared memory bytes
-(from cuobjdump --dump-resource-usage, which ships with Triton) and Triton's dynamic
-shared memory. Helpers below read PTX for the features the tests and notebooks check.
+What the GPU runs is the cubin's SASS, not the PTX: ptxas may serialise what the PTX
+pipelined. So each launch also carries, from the tools that ship inside the triton wheel:
+
+    cubin        the binary (bytes)
+    sass         its disassembly (cuobjdump -sass)
+    n_regs       registers per thread; shared: static + dynamic shared memory bytes
+    spill_bytes  STACK + LOCAL bytes per thread (cuobjdump --dump-resource-usage); the
+                 driver's LOCAL alone misses spills to the stack frame
+    ptxas        ptxas -v's numbered messages, e.g. "C7515: ... wgmma.mma_async
+                 instructions are serialized ..." and its "spill_stores" byte count
+    main_loop    sass_main_loop(sass): SASS instructions, global-load bytes (per thread) and
+                 wgmma drains (WARPGROUP.DEPBAR.LE gsb0, 0x0) per iteration of the main loop
+
+n_spills (= spill_bytes) stays for older callers. Helpers below read PTX and SASS.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -33,6 +45,10 @@ __all__ = [
     "mma_instructions",
     "k_loop",
     "global_load_widths",
+    "sass_instructions",
+    "sass_loop_body",
+    "sass_main_loop",
+    "DRAIN",
 ]
 
 KERNELS = ("w4a16", "fp8", "dequant")
@@ -45,9 +61,10 @@ def compile_for(kernel: str, M: int, N: int, K: int, arch: int = 90, **opts) -> 
 
     opts: dtype ("bf16" | "fp16", the activations), group_size (w4a16, default 128),
     fast_accum (fp8, default False), config (a qlab.kernels.configs.Config), sms (default 132).
-    Returns the main kernel's "ptx", "n_regs", "n_spills", "shared", "grid", "config",
-    "kernel" (its name) and "meta" (its constexprs), plus "launches": the same for every
-    launch the wrapper makes, main one first (fp8: the GEMM, then the activation quantizer).
+    Returns the main kernel's "ptx", "cubin", "sass", "n_regs", "spill_bytes" (= "n_spills"),
+    "ptxas" (messages and spill stores), "main_loop" (see sass_main_loop), "shared", "grid",
+    "config", "kernel" (its name) and "meta" (its constexprs), plus "launches": the same for
+    every launch the wrapper makes, main one first (fp8: the GEMM, then the act quantizer).
     """
     return compile_many([dict(kernel=kernel, M=M, N=N, K=K, arch=arch, **opts)])[0]
 
@@ -58,6 +75,13 @@ def compile_many(requests: list[dict], timeout: float = 600,
     per CPU core, at most 4); each starts once and builds its share in order."""
     for r in requests:
         _check_request(r)
+    # identical requests are built once
+    keys = [json.dumps(_jsonable(r), sort_keys=True) for r in requests]
+    unique = list(dict.fromkeys(keys))
+    if len(unique) < len(requests):
+        done = compile_many([json.loads(k) for k in unique], timeout, workers)
+        built = dict(zip(unique, done, strict=True))
+        return [built[k] for k in keys]
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     env.setdefault("CUDA_VISIBLE_DEVICES", "")  # the build needs no GPU
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(requests)))
@@ -75,7 +99,9 @@ def compile_many(requests: list[dict], timeout: float = 600,
         if child.returncode != 0:
             raise RuntimeError(f"ahead-of-time build failed:\n{child.stderr[-4000:]}")
         for i, built in zip(share, json.loads(child.stdout.strip().splitlines()[-1]), strict=True):
-            results[i] = built
+            for launch in built["launches"]:
+                launch["cubin"] = base64.b64decode(launch["cubin"])
+            results[i] = dict(built["launches"][0], launches=built["launches"])
     return results
 
 
@@ -128,6 +154,73 @@ def global_load_widths(ptx: str) -> dict[str, int]:
         key = f"cp.async {int(size, 16)}B"
         widths[key] = widths.get(key, 0) + 1
     return widths
+
+
+# ----------------------------------------------------------------------------- SASS reading
+DRAIN = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b")  # wait for EVERY wgmma in flight
+_SASS = re.compile(  # address, optional guard predicate (@P0, @!PT), opcode, operands
+    r"^\s*/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?([A-Z0-9_.]+)[^;]*?)\s*;", re.M
+)
+_WIDTH = {"128": 16, "64": 8, "U8": 1, "S8": 1, "U16": 2, "S16": 2}  # else 32 bits
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode with modifiers, whole instruction) of every SASS instruction,
+    predicate guards (@P0, @!PT) stripped from the opcode."""
+    return [(int(addr, 16), op, text) for addr, text, op in _SASS.findall(sass)]
+
+
+def _load_bytes(op: str) -> int:
+    """Bytes one thread reads from global memory with this opcode (0 if not a global load)."""
+    if not (op.startswith("LDG.") or op == "LDG" or op.startswith("LDGSTS")):
+        return 0
+    widths = [_WIDTH[m] for m in op.split(".")[1:] if m in _WIDTH]
+    return widths[-1] if widths else 4
+
+
+def sass_main_loop(sass: str) -> dict:
+    """The main loop of a kernel's SASS and what one iteration of it costs.
+
+    Loops are backward branches (BRA to a lower address); the main loop is the innermost one
+    with the most tensor-core instructions, then the most global bytes loaded per thread,
+    then the most instructions (a split-K reduction loop loads too, but runs no MMA).
+    Returns {"instructions", "load_bytes" (per thread, LDG + LDGSTS; predicated loads count),
+    "tma_loads" (UTMALDG), "drains" (WARPGROUP.DEPBAR.LE gsb0, 0x0: every wgmma waited for),
+    "mma" (HGMMA, QGMMA, HMMA), "barriers" (BAR.SYNC), "mix" (opcode -> count), "start",
+    "end"}.
+    """
+    ins = sass_instructions(sass)
+    back = [(int(t, 16), a) for a, op, text in ins if op.startswith("BRA")
+            for t in re.findall(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])[:1]
+            if int(t, 16) < a]  # fmt: skip
+    inner = [(s, e) for s, e in back if not any(s <= s2 and e2 < e for s2, e2 in back)]
+    if not inner:
+        raise ValueError("no loop in this SASS")
+
+    def summary(s: int, e: int) -> dict:
+        body = [(op, text) for a, op, text in ins if s <= a <= e]
+        mix: dict[str, int] = {}
+        for op, _ in body:
+            mix[op] = mix.get(op, 0) + 1
+        return {
+            "instructions": len(body),
+            "load_bytes": sum(_load_bytes(op) for op, _ in body),
+            "tma_loads": sum(op.startswith("UTMALDG") for op, _ in body),
+            "drains": sum(bool(DRAIN.search(text)) for _, text in body),
+            "mma": sum(op.startswith(("HGMMA", "HMMA", "QGMMA")) for op, _ in body),
+            "barriers": sum(op.startswith("BAR.SYNC") for op, _ in body),
+            "mix": dict(sorted(mix.items(), key=lambda kv: -kv[1])),
+            "start": s,
+            "end": e,
+        }
+
+    loops = [summary(s, e) for s, e in inner]
+    return max(loops, key=lambda loop: (loop["mma"], loop["load_bytes"], loop["instructions"]))
+
+
+def sass_loop_body(sass: str, loop: dict) -> list[str]:
+    """The instructions of `loop` (a sass_main_loop result), in order, as text."""
+    return [text for a, _, text in sass_instructions(sass) if loop["start"] <= a <= loop["end"]]
 
 
 # ----------------------------------------------------------------------------- the child
@@ -191,8 +284,6 @@ def _plans(r: dict) -> list:
 
 def _build(launch, arch: int) -> dict:
     """Compile one Launch as JITFunction.run would (same binder, same specialization)."""
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -209,19 +300,19 @@ def _build(launch, arch: int) -> dict:
     compiled = triton.compile(
         ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
     )
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-    resources = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    tools = _read_binary(compiled.asm["ptx"], compiled.asm["cubin"], arch)
+    resources = tools["resources"]
+    spill_bytes = int(resources["STACK"]) + int(resources["LOCAL"])
     return {
         "kernel": fn.__name__,
         "ptx": compiled.asm["ptx"],
+        "cubin": base64.b64encode(compiled.asm["cubin"]).decode(),
+        "sass": tools["sass"],
         "n_regs": int(resources["REG"]),
-        "n_spills": int(resources["LOCAL"]),  # the driver's LOCAL_SIZE_BYTES, as Triton's
+        "spill_bytes": spill_bytes,
+        "n_spills": spill_bytes,
+        "ptxas": tools["ptxas"],
+        "main_loop": _main_loop_or_none(tools["sass"]),
         "shared": int(compiled.metadata.shared) + int(resources["SHARED"]),
         "grid": list(launch.grid),
         "config": launch.config.as_dict() if launch.config else None,
@@ -230,12 +321,65 @@ def _build(launch, arch: int) -> dict:
     }
 
 
+def _read_binary(ptx: str, cubin: bytes, arch: int) -> dict:
+    """cuobjdump (resources, SASS) and ptxas -v (messages) on one build; cached on disk in
+    Triton's cache, keyed by the PTX and the cubin, so a rebuild runs neither tool again."""
+    import hashlib
+    import tempfile
+
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from triton.runtime.cache import get_cache_manager
+
+    key = hashlib.sha256(ptx.encode() + cubin + f"{arch}/v1".encode()).hexdigest()
+    cache = get_cache_manager(key)
+    path = cache.get_file("binary.json")
+    if path is not None:
+        with open(path) as f:
+            return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin_path, ptx_path = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+        with open(cubin_path, "wb") as f:
+            f.write(cubin)
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        dump = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", "-sass", cubin_path],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        # the flags Triton's make_cubin passes (kernels/aot.py builds with fp fusion on)
+        log = subprocess.run(
+            [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+             f"--gpu-name={sm_arch_from_capability(arch)}", ptx_path, "-o", os.devnull],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    stores = re.search(r"(\d+) bytes spill stores", log)
+    result = {
+        "resources": dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", dump)),
+        "sass": dump,
+        "ptxas": {
+            "messages": [
+                f"{code}: {text.strip()}" for code, text in re.findall(r"\((C\d+)\)([^\n]*)", log)
+            ],
+            "spill_stores": int(stores.group(1)) if stores else 0,
+        },
+    }
+    cache.put(json.dumps(result), "binary.json")
+    return result
+
+
+def _main_loop_or_none(sass: str) -> dict | None:
+    try:
+        return sass_main_loop(sass)
+    except ValueError:  # a kernel without a loop
+        return None
+
+
 def _child() -> None:
     requests = json.loads(sys.stdin.read())
     results = []
     for r in requests:
-        launches = [_build(launch, r.get("arch", 90)) for launch in _plans(r)]
-        results.append(dict(launches[0], launches=launches))
+        results.append({"launches": [_build(launch, r.get("arch", 90)) for launch in _plans(r)]})
     print(json.dumps(results))
 
 

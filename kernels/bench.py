@@ -6,19 +6,27 @@ bf16, torch._scaled_mm both accumulation modes, GEMM-only and end to end) is
 
   1. run once (compiling and autotuning) and CHECKED against qlab (kernels/tolerance.py);
      a wrong output is recorded and never timed;
-  2. timed, median of many runs, with weights read from HBM, never from L2:
-     triton.testing.do_bench, which flushes the L2 cache before every run; and, where that
-     gives under CUDAGRAPH_BELOW_S (launch overhead would dominate), do_bench_cudagraph on
-     a CUDA graph that cycles through enough copies of the weights to overflow L2;
+  2. timed by ONE method for every row: CUDA events around single calls, each call after
+     a sum over a FLUSH buffer of at least 512 MB (8x L2). The sum only READS: L2 is left
+     holding clean lines of that buffer, none of the call's weights, and no dirty line
+     whose write-back would be charged to the timed kernel (do_bench's flush, zero_(),
+     writes). Median of as many calls as fit in --rep-ms;
   3. put beside the roofline model's expected time for the matched datasheet device
      (kernels/roofline.py: a model, a lower bound), with the bound that applies and the
      percent of it achieved; speedups over bf16 and over the matching baseline.
 
-Results are rewritten to results/bench_<GPU>_<date>.json after every (shape, M), with
-the git commit (or a hash of kernels/), GPU clocks, versions and each launch's grid and
-config; two plots at the end (kernels/plots.py). Without a GPU the same loop runs every
-candidate the CPU can (the Triton interpreter) on small shapes, checked, NOT timed
-(interpreter timings measure numpy), and the roofline MODEL is written, labelled as such.
+Nothing that goes wrong ends the run. An exception while checking or timing marks its
+row (error / skipped) and the next row runs. Each shape runs in its own Python process
+(GPU runs): a CUDA fault, which poisons the process's context, ends only that shape; the
+parent records it and starts the next shape. Every row is appended to a JSON-lines file
+(results/bench_<GPU>_<date>.jsonl, first line: date, GPU name, versions, commit) the
+moment it is done, and results/bench_<GPU>_<date>.json (rows grouped, with speedups and
+the model) is rewritten after every shape, so a timeout or crash keeps what was measured.
+Without a GPU the same loop runs every candidate the CPU can (the Triton interpreter) on
+small shapes, checked, NOT timed (interpreter timings measure numpy), and the roofline
+MODEL is written, labelled as such. `--plan` counts the work of a run (rows, autotuned
+configs, Triton compilations) and, with `--aot`, compiles every kernel of it ahead of
+time to measure the compilation (kernels/bench_budget.py).
 """
 
 from __future__ import annotations
@@ -43,7 +51,14 @@ from qlab.kernels import _backend, baselines, configs, plots, roofline
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 GROUP_SIZE = 128  # W4A16 group size used throughout the benchmark
-CUDAGRAPH_BELOW_S = 50e-6  # below this, time a CUDA graph (launch overhead would dominate)
+FLUSH_MIN_BYTES = 512 << 20  # read before every timed call: >= 8x an H100/H200's L2
+MIN_REPS, MAX_REPS = 5, 200  # timed calls per row (as many as fit in rep_ms)
+TIMING = (f"median of single calls, each after reading a >= {FLUSH_MIN_BYTES >> 20} MB buffer "
+          "(L2 cold and clean), CUDA events around the call")  # fmt: skip
+CUDA_FAULT_EXIT = 3  # a shape process's exit code after a CUDA fault
+# Kept for notebook 11's explanation of the previous method (weight copies in a CUDA graph);
+# the benchmark no longer uses them.
+CUDAGRAPH_BELOW_S = 50e-6
 MAX_WEIGHT_COPIES = 64
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 M_QUICK = (1, 16, 64, 256, 4096)
@@ -160,60 +175,118 @@ def environment() -> dict:
 
 
 # ----------------------------------------------------------------------------- timing
-def time_calls(calls: list, rep_ms: int) -> tuple[float, str]:
-    """Median seconds of calls[0](); below CUDAGRAPH_BELOW_S, a CUDA graph cycling calls
-    (one per weight copy, so the weights come from HBM) divided by len(calls)."""
-    t = triton.testing.do_bench(calls[0], warmup=10, rep=rep_ms, return_mode="median") / 1e3
-    if t >= CUDAGRAPH_BELOW_S:
-        return t, "do_bench (L2 flushed)"
+def flush_buffer(l2_bytes: int | None) -> torch.Tensor:
+    """The buffer read before every timed call: FLUSH_MIN_BYTES, or 8x L2 if larger."""
+    n_bytes = max(FLUSH_MIN_BYTES, 8 * (l2_bytes or 0))
+    return torch.ones(n_bytes // 4, dtype=torch.float32, device="cuda")
 
-    def cycle():
-        for call in calls:
-            call()
 
-    t = triton.testing.do_bench_cudagraph(cycle, rep=rep_ms, return_mode="median") / 1e3
-    return t / len(calls), f"cudagraph, {len(calls)} weight copies (L2 cold)"
+def time_cold(fn, flush: torch.Tensor, rep_ms: float) -> float:
+    """Median seconds of fn() over single calls, each after flush.sum() (a read: the
+    call's data is out of L2 and nothing dirty is left to write back), timed by CUDA events
+    around the call only. As many calls as fit in rep_ms (MIN_REPS..MAX_REPS). Launch
+    overhead stays out of the time as long as the CPU launches fn faster than the GPU reads
+    the flush buffer (over 100 us for 512 MB at an H100/H200's 3.35-4.8 TB/s)."""
+
+    def once(start, end):
+        flush.sum()  # queued ahead of the call: the GPU is busy while fn is launched
+        start.record()
+        fn()
+        end.record()
+
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(MAX_REPS)]  # fmt: skip
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for pair in events[:3]:  # estimate: flush + call, three times
+        once(*pair)
+    t1.record()
+    torch.cuda.synchronize()
+    reps = int(min(MAX_REPS, max(MIN_REPS, rep_ms / (t0.elapsed_time(t1) / 3))))
+    for pair in events[:reps]:
+        once(*pair)
+    torch.cuda.synchronize()
+    ms = sorted(start.elapsed_time(end) for start, end in events[:reps])
+    return ms[len(ms) // 2] / 1e3
 
 
 def weight_copies(weight_bytes: int, l2_bytes: int | None) -> int:
-    """Copies of a weight whose rotation overflows L2 three times over."""
+    """(Notebook 11, the previous method.) Copies of a weight whose rotation overflows L2
+    three times over."""
     if not l2_bytes:
         return 1
     return max(1, min(MAX_WEIGHT_COPIES, math.ceil(3 * l2_bytes / weight_bytes)))
 
 
-def _clone(w: baselines.Weights) -> baselines.Weights:
-    """Same values at new addresses (the references are shared)."""
-    same = lambda t: None if t is None else t.clone()  # noqa: E731
-    w8 = w.w8 and w.w8._replace(codes=w.w8.codes.clone(), scales=w.w8.scales.clone())
-    tiny = w.tinygemm and tuple(t.clone() for t in w.tinygemm)
-    w4 = w.w4._replace(packed=w.w4.packed.clone(), scales=w.w4.scales.clone())
-    return baselines.Weights(same(w.bf16), w4, w.w4_hat, tiny, w8, w.w8_hat)
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"[:300]
 
 
-# ----------------------------------------------------------------------------- one case
-def measure(cand, ref, copies: list, timed: bool, rep_ms: int, l2: int | None) -> dict:
-    """Run, check and (timed) time one candidate on ref.x; the row's measurement fields."""
-    x, w = ref.x, copies[0]
+class CudaFault(RuntimeError):
+    """The CUDA context is broken: nothing more can run in this process."""
+
+
+def cuda_alive() -> bool:
+    """False when the CUDA context is broken (after an illegal address, a trap, ...):
+    every later call would fail, so the shape's process must end."""
+    if not _native():
+        return True
     try:
-        args = cand.setup(x, w)
-        if timed:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 (any failure here means a dead context)
+        return False
+
+
+# ----------------------------------------------------------------------------- one row
+def measure(cand, ref, w, timer=None) -> dict:
+    """Run, check and (with timer(fn) -> seconds) time one candidate on ref.x; the row's
+    measurement fields. Any exception marks the row: "skipped" (could not run), "error"
+    (wrong output, or the timing failed)."""
+    try:
+        args = cand.setup(ref.x, w)
+        if timer is not None:
             cand.fn(*args)  # compile and autotune first: record one plain call below
         with configs.recording() as launched:
             y = cand.fn(*args)
         problem = cand.check(y, ref)
-    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError) as err:
-        return {"skipped": f"{type(err).__name__}: {err}"[:300]}
+    except Exception as err:  # noqa: BLE001 (one row's failure never ends the run)
+        return {"skipped": _describe(err)}
     row = {"launches": [lc.describe() for lc in launched]}
     if problem:
         return {**row, "error": problem}
-    if timed:
-        n = weight_copies(cand.weight_bytes(w), l2)
-        while len(copies) < n:
-            copies.append(_clone(w))
-        calls = [functools.partial(cand.fn, *cand.setup(x, c)) for c in copies[:n]]
-        row["time_s"], row["timing"] = time_calls(calls, rep_ms)
+    if timer is not None:
+        try:
+            row["time_s"] = timer(functools.partial(cand.fn, *args))
+        except Exception as err:  # noqa: BLE001 (CUDA-graph capture, out of memory, ...)
+            row["error"] = "timing failed: " + _describe(err)
     return row
+
+
+def run_shape(label: str, n: int, k: int, ms, emit, timed: bool, rep_ms: float = 50,
+              timer=None) -> None:  # fmt: skip
+    """Every candidate at every M for one layer shape; emit(record) gets each row as soon as
+    it is done. timed: on the GPU, with time_cold (timer= replaces it, e.g. in tests).
+    Raises CudaFault when a row leaves the CUDA context broken (the row is emitted first)."""
+    device = _backend.DEVICE
+    native = _native()
+    fp8_ok = not native or torch.cuda.get_device_capability() >= (8, 9)
+    emit({"record": "shape", "shape": label, "clocks": gpu_clocks() if native else None})
+    torch.manual_seed(0)
+    weight = (torch.randn(n, k) * 0.02).to(device, torch.bfloat16)
+    w = baselines.prepare(weight, GROUP_SIZE, fp8_ok)
+    if timed and timer is None:
+        flush = flush_buffer(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0))
+        timer = functools.partial(time_cold, flush=flush, rep_ms=rep_ms)
+    for m in ms:
+        x = torch.randn(m, k, device=device).to(torch.bfloat16)
+        ref = baselines.Reference(x, w)
+        for cand in baselines.candidates(fp8_ok):
+            row = {"record": "row", "shape": label, "N": n, "K": k, "M": m, "kernel": cand.name}
+            row.update(measure(cand, ref, w, timer if timed else None))
+            emit(row)
+            if ("error" in row or "skipped" in row) and not cuda_alive():
+                raise CudaFault(f"CUDA fault at {label} M={m} {cand.name}: the shape ends here")
 
 
 def _base(kernel: str) -> str:
@@ -241,43 +314,97 @@ def finish_rows(rows: list[dict], spec) -> None:
             r["baseline"], r["speedup_vs_baseline"] = base, times[base] / t
 
 
-def run(shapes, ms, out_path: Path | None, timed: bool, rep_ms: int = 50) -> dict:
-    """The sweep: every candidate on every shape and M; the doc is rewritten to out_path
-    after every (shape, M), so an interrupted run keeps what it measured."""
-    device = _backend.DEVICE
-    env = environment()
-    table = match_device(env["gpu"]) if timed else None
+# ----------------------------------------------------------------------------- the run
+def _append(path: Path, record: dict) -> None:
+    """One JSON line, on disk before the next row starts."""
+    with path.open("a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _child_command(spec: dict) -> list[str]:
+    """The command that runs one shape in its own process (tests replace it)."""
+    return [sys.executable, "-m", "qlab.kernels.bench", "--shape-process", json.dumps(spec)]
+
+
+def _run_shape_process(spec: dict, jsonl: Path, timeout_s: float | None) -> None:
+    """One shape in a child process; if it dies (CUDA fault, crash, timeout), say so in a
+    record and go on."""
+    try:
+        child = subprocess.run(_child_command(spec), capture_output=True, text=True,
+                               timeout=timeout_s)  # fmt: skip
+        code, out, err = child.returncode, child.stdout, child.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out, err = "timeout", exc.stdout or "", exc.stderr or ""
+        out, err = (t.decode() if isinstance(t, bytes) else t for t in (out, err))
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    if code != 0:
+        _append(jsonl, {"record": "shape_failed", "shape": spec["label"], "exit_code": code,
+                        "stderr_tail": err[-1500:]})  # fmt: skip
+
+
+def assemble(records: list[dict]) -> dict:
+    """JSON-lines records -> the results document: rows grouped per (shape, M) with the
+    model, bound and speedup columns; shapes whose process died in shape_failures."""
+    env = next(r for r in records if r["record"] == "environment")
+    env = {k: v for k, v in env.items() if k not in ("record", "timed", "timing")}
+    timed = records[0].get("timed", False)
+    table = match_device(env.get("gpu")) if timed else None
     spec = qlab.cost.DEVICES[table] if table else None
-    native = _backend.HAS_CUDA and not _backend.INTERPRET
-    fp8_ok = not native or torch.cuda.get_device_capability() >= (8, 9)
-    doc = {
+    rows = _of_kind(records, "row")
+    for key in dict.fromkeys((r["shape"], r["M"]) for r in rows):
+        finish_rows([r for r in rows if (r["shape"], r["M"]) == key], spec)
+    return {
         "kind": "measured" if timed else "correctness (CPU interpreter; not timed)",
         "environment": env,
         "device": _device_dict(spec) if spec else None,
         "group_size": GROUP_SIZE,
-        "timing": f"median; do_bench with L2 flush, CUDA graph with L2-cold weight copies "
-                  f"below {CUDAGRAPH_BELOW_S * 1e6:.0f} us",
-        "rows": [],
-        "clocks_per_shape": [],
-    }  # fmt: skip
+        "timing": records[0].get("timing"),
+        "rows": rows,
+        "clocks_per_shape": _of_kind(records, "shape"),
+        "shape_failures": _of_kind(records, "shape_failed"),
+    }
+
+
+def _of_kind(records: list[dict], kind: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "record"} for r in records if r["record"] == kind]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(shapes, ms, out_path: Path | None, timed: bool, rep_ms: float = 50,
+        isolate: bool = False, shape_timeout_s: float | None = None) -> dict:  # fmt: skip
+    """The sweep: every candidate on every shape and M. Rows go to out_path's .jsonl as
+    they finish; the document (returned) is rewritten to out_path after every shape.
+    isolate: each shape in its own process (what the GPU run does; see the docstring)."""
+    header = {"record": "environment", "timed": timed, "timing": TIMING if timed else None,
+              **environment()}  # fmt: skip
+    if out_path is None and not isolate:
+        records = [header]
+        for label, n, k in shapes:
+            run_shape(label, n, k, ms, records.append, timed, rep_ms)
+        return assemble(records)
+    if out_path is None:  # isolated shapes need a file to report into
+        import tempfile
+
+        out_path = Path(tempfile.mkdtemp(prefix="qlab_bench_")) / "bench.json"
+    jsonl = out_path.with_suffix(".jsonl")
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    jsonl.write_text("")
+    _append(jsonl, header)
     for label, n, k in shapes:
-        torch.manual_seed(0)
-        weight = (torch.randn(n, k) * 0.02).to(device, torch.bfloat16)
-        copies = [baselines.prepare(weight, GROUP_SIZE, fp8_ok)]
-        doc["clocks_per_shape"].append({"shape": label, "clocks": gpu_clocks() if timed else None})
-        for m in ms:
-            x = torch.randn(m, k, device=device).to(torch.bfloat16)
-            ref = baselines.Reference(x, copies[0])
-            rows = []
-            for cand in baselines.candidates(fp8_ok):
-                row = {"shape": label, "N": n, "K": k, "M": m, "kernel": cand.name}
-                row.update(measure(cand, ref, copies, timed, rep_ms, env.get("l2_bytes")))
-                rows.append(row)
-            finish_rows(rows, spec)
-            doc["rows"] += rows
-            if out_path is not None:
-                _write(doc, out_path)
-        del copies, ref
+        if isolate:
+            spec = dict(label=label, n=n, k=k, ms=list(ms), timed=timed, rep_ms=rep_ms,
+                        jsonl=str(jsonl))  # fmt: skip
+            _run_shape_process(spec, jsonl, shape_timeout_s)
+        else:
+            run_shape(label, n, k, ms, functools.partial(_append, jsonl), timed, rep_ms)
+        doc = assemble(_read_jsonl(jsonl))
+        _write(doc, out_path)
     return doc
 
 
@@ -295,8 +422,13 @@ def _write(doc: dict, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- reading
 def failures(doc: dict) -> list[dict]:
-    """Rows of OUR kernels that failed their check or could not run."""
-    return [r for r in doc["rows"] if r["kernel"] in OURS and ("error" in r or "skipped" in r)]
+    """Rows of OUR kernels that failed their check or could not run, and shapes whose
+    process died (their rows after the fault are missing)."""
+    rows = [r for r in doc["rows"] if r["kernel"] in OURS and ("error" in r or "skipped" in r)]
+    died = [{"shape": f["shape"], "M": "-", "kernel": "(shape process)",
+             "error": f"exit code {f['exit_code']}: {f['stderr_tail'][-300:]}"}
+            for f in doc.get("shape_failures", ())]  # fmt: skip
+    return rows + died
 
 
 def model_doc(device_name: str, shapes=SHAPES, ms=M_SWEEP) -> dict:
@@ -336,6 +468,9 @@ def summary_lines(doc: dict, kernels=None) -> list[str]:
                  _fmt(r, "speedup_vs_baseline", "{:.2f}")]  # fmt: skip
         lines.append(f"{r['shape']:<20}{r['M']:>5} {r['kernel']:<21}{cells[0]:>9}{cells[1]:>9}"
                      f"{cells[2]:>8}{cells[3]:>7}{cells[4]:>7}")  # fmt: skip
+    for f in doc.get("shape_failures", ()):
+        lines.append(f"{f['shape']:<20}  shape process died (exit code {f['exit_code']}): "
+                     "its later rows are missing")  # fmt: skip
     return lines
 
 
@@ -370,16 +505,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="H100 SXM", choices=sorted(qlab.cost.DEVICES),
                         help="datasheet GPU for the roofline model without a GPU")  # fmt: skip
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--rep-ms", type=int, default=50, help="timing budget per case")
+    parser.add_argument("--rep-ms", type=int, default=50, help="timing budget per row")
+    parser.add_argument("--shape-timeout", type=float, default=None,
+                        help="seconds one shape's process may run (GPU runs)")  # fmt: skip
+    parser.add_argument("--plan", action="store_true",
+                        help="count the GPU run's work (rows, autotuning, compilations); "
+                             "no kernel runs")  # fmt: skip
+    parser.add_argument("--aot", action="store_true",
+                        help="with --plan: compile every kernel of the run ahead of time "
+                             "and measure the compilation")  # fmt: skip
+    parser.add_argument("--shape-process", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.shape_process:  # a child of run(isolate=True): one shape, rows to the JSONL
+        spec = json.loads(args.shape_process)
+        emit = functools.partial(_append, Path(spec["jsonl"]))
+        try:
+            run_shape(spec["label"], spec["n"], spec["k"], spec["ms"], emit, spec["timed"],
+                      spec["rep_ms"])  # fmt: skip
+        except CudaFault as fault:
+            print(fault, file=sys.stderr)
+            os._exit(CUDA_FAULT_EXIT)  # a broken context cannot even tear down cleanly
+        return 0
+    shapes, ms = (SHAPES_QUICK, M_QUICK) if args.quick else (SHAPES, M_SWEEP)
+    if args.plan:
+        from qlab.kernels import bench_budget
+
+        print("\n".join(bench_budget.report(shapes, ms, args.rep_ms, aot=args.aot)))
+        return 0
     if _native():
-        shapes, ms = (SHAPES_QUICK, M_QUICK) if args.quick else (SHAPES, M_SWEEP)
         gpu = _slug(torch.cuda.get_device_name())
         stem = f"bench_{gpu}_{_dt.date.today().isoformat()}"
-        doc = run(shapes, ms, args.out / f"{stem}.json", timed=True, rep_ms=args.rep_ms)
+        doc = run(shapes, ms, args.out / f"{stem}.json", timed=True, rep_ms=args.rep_ms,
+                  isolate=True, shape_timeout_s=args.shape_timeout)  # fmt: skip
         print("\n".join(summary_lines(doc)))
-        paths = [args.out / f"{stem}.json"]
+        paths = [args.out / f"{stem}.json", args.out / f"{stem}.jsonl"]
         if not args.no_plots and doc["device"] is not None:
             paths += save_plots(doc, args.out, stem)
     else:

@@ -8,7 +8,7 @@ a tile shape:
     decode    1          CUDA-core GEMV, split-K            swap-AB wgmma, 16 token columns
     small     2..16      swap-AB GEMM, 16 token columns     swap-AB, 16 token columns
     medium    17..128    swap-AB GEMM, 64-128 columns       swap-AB, 64-128 columns
-    large     > 128      swap-AB GEMM, 128-256 columns      grouped (L2-swizzled) 128x128 tiles
+    large     > 128      swap-AB GEMM, 128 columns          grouped (L2-swizzled) 128x128 tiles
 
 The FIRST config of each list is the default: what runs when nothing is timed (the CPU
 interpreter, ahead-of-time builds, QLAB_AUTOTUNE=0). On a GPU, `choose` times every config
@@ -24,6 +24,7 @@ the smallest power of two that gives at least TARGET_CTAS_PER_SM programs per SM
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.testing
 
-from qlab.kernels import _backend
+from qlab.kernels import _backend, _tiles
 
 __all__ = [
     "Config",
@@ -87,7 +88,12 @@ class Launch:
     def __call__(self) -> None:
         if _LOG is not None:
             _LOG.append(self)
-        self.kernel[self.grid](*self.args, **self.meta)
+        try:
+            self.kernel[self.grid](*self.args, **self.meta)
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # a dead CUDA context cannot be reset
+                _tiles.reset_counters()  # an aborted launch leaves no split-K counter dirty
+            raise
 
     def describe(self) -> dict:
         """Kernel name, grid and config: what a benchmark row records about a launch."""
@@ -141,9 +147,10 @@ CONFIGS: dict[tuple[str, str], tuple[Config, ...]] = {
         C(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4),
         C(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
     ),
+    # (256 tokens x 128 features spills 16 bytes per thread: dropped, see test_kernel_aot.py)
     ("w4a16", "large"): (
         C(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-        C(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3),
+        C(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
     ),
     # FP8, swap-AB below 129 tokens: E4M3 weights on the 64-row side of wgmma (decode and
     # small share one list: 16 tokens is the narrowest wgmma side either way).
@@ -153,11 +160,10 @@ CONFIGS: dict[tuple[str, str], tuple[Config, ...]] = {
         C(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4),
         C(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
     ),
-    # FP8 large M: tokens on the 64-row side again, grouped tile order for L2 reuse.
-    ("fp8", "large"): (
-        C(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4),
-        C(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=3),
-    ),
+    # FP8 large M: tokens on the 64-row side again, grouped tile order for L2 reuse. One
+    # config: every 256-wide tile tried spills in the precise mode (255 registers, 144-240
+    # spilled bytes per thread), and 256 x 128 serialises its precise-mode wgmmas (ptxas C7514).
+    ("fp8", "large"): (C(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4),),
 }
 del C
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qlab.kernels._backend import check_device
+from qlab.kernels._backend import check_device, needs_int64
 from qlab.kernels.configs import Launch
 
 __all__ = ["dequantize_int4"]
@@ -50,10 +50,13 @@ def _dequant_int4_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    INDEX_64: tl.constexpr,  # an element offset can pass 2**31 - 1: row offsets in int64
 ):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # shape: (BLOCK_R,)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # shape: (BLOCK_K,)
     # The last tile may hang over the edge of the tensor: mask those lanes off.
     mask = (rows[:, None] < R) & (cols[None, :] < K)  # shape: (BLOCK_R, BLOCK_K)
@@ -140,5 +143,6 @@ def plan(packed_2d, scales_2d, out, group_size: int, block_r: int = TILE_R,
         grid=(triton.cdiv(R, block_r), triton.cdiv(K, block_k)),
         args=(packed_2d, scales_2d, out, R, K,
               packed_2d.stride(0), scales_2d.stride(0), out.stride(0)),  # fmt: skip
-        meta=dict(GROUP_SIZE=group_size, BLOCK_R=block_r, BLOCK_K=block_k),
+        meta=dict(GROUP_SIZE=group_size, BLOCK_R=block_r, BLOCK_K=block_k,
+                  INDEX_64=needs_int64(packed_2d, scales_2d, out)),
     )

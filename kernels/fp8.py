@@ -31,6 +31,16 @@ internal sum (about 14 bits, DeepSeek-V3 report, sec. 3.3.2). fast_accum=False (
 adds each BLOCK_K step's wgmma result into a separate full fp32 accumulator (Triton's
 max_num_imprecise_acc = BLOCK_K), like torch._scaled_mm(use_fast_accum=False);
 fast_accum=True lets the whole K loop accumulate inside wgmma (use_fast_accum=True).
+The promotion reads the wgmma's registers in the same K step, so ptxas waits for every
+wgmma in flight once per step (ptxas info C7517; tests/kernels/test_kernel_aot.py): the
+precise mode drains the tensor cores every K step, the fast mode never.
+
+NaN and inf in activations (NAN_POLICY, the same on a GPU and the interpreter): a row of x
+holding any NaN or +-inf gets a NaN scale and NaN codes, so its outputs are NaN; the other
+rows are untouched (per tensor: the one scale is NaN, so is every output). Never a finite
+number: a GPU's max.f32 and min.f32 drop NaN, so without this a NaN activation would become
+a finite code of +-448. qlab.quantize refuses such x (ValueError); a kernel cannot raise
+without a host sync, so it returns NaN exactly where qlab has no answer.
 
 Rounding to E4M3 (step 1) uses exact fp32 arithmetic (round_to_e4m3) and the final cast
 only converts a value already on the E4M3 grid. On a GPU the cast alone would round
@@ -53,6 +63,7 @@ from qlab.kernels._backend import (
     check_activation,
     check_device,
     check_linear_weight,
+    needs_int64,
 )
 from qlab.kernels._tiles import split_k_buffers, store_or_reduce, tile_coords
 from qlab.kernels.configs import Config, Launch
@@ -72,6 +83,7 @@ E4M3_MAX = tl.constexpr(F8E4M3_MAX)
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 RNE
 ONE_PASS_MAX_K = 8192  # rows up to this long stay in registers: x is read once
 SWAP_AB_MAX_M = 128  # up to this many tokens the GEMM runs swap-AB
+FP8_K_MULTIPLE = 16  # K of the GEMM: 16-byte row loads (other K are refused, not slowed)
 
 
 class FP8Weight(NamedTuple):
@@ -107,9 +119,27 @@ def round_to_e4m3(y):
 
 @triton.jit
 def _quantize_row(x, s):
-    """fp32 values of one row and its scale -> E4M3 codes (qlab: x / s, a true division)."""
+    """fp32 values of one row and its scale -> E4M3 codes (qlab: x / s, a true division).
+    A NaN scale (the row held a NaN or inf) gives NaN codes, on the GPU too, where min/max
+    would turn NaN into a finite code."""
     s = tl.where(s == 0.0, 1.0, s)  # an all-zero row: divide by 1, codes of 0 (as qlab)
-    return round_to_e4m3(tl.div_rn(x, s))  # on the E4M3 grid, still fp32
+    q = round_to_e4m3(tl.div_rn(x, s))  # on the E4M3 grid, still fp32
+    return tl.where(s == s, q, s)
+
+
+@triton.jit
+def _e4m3(v):
+    """fp32 values on the E4M3 grid, or NaN -> float8e4nv, NaN as 0x7F on every backend
+    (the interpreter's cast turns NaN into 0x7C, which is 256 + 128)."""
+    bits = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(v == v, bits, 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _not_finite(x):
+    """1 where x is NaN or +-inf, else 0 (a comparison: the same on a GPU and the interpreter,
+    unlike max.f32, which on a GPU drops NaN)."""
+    return tl.where(tl.abs(x) < float("inf"), 0, 1)
 
 
 @triton.jit
@@ -127,9 +157,12 @@ def _act_quant_kernel(
     BLOCK_K: tl.constexpr,
     ONE_PASS: tl.constexpr,  # K <= BLOCK_K: the row is loaded once and kept in registers
     MODE: tl.constexpr,  # 0: per token (scale + quantize), 1: scale only, 2: given scale
+    INDEX_64: tl.constexpr,  # an element offset can pass 2**31 - 1: row offsets in int64
 ):
     """One program per row m: s[m] = max_k |x[m, k]| / 448 and/or q[m] = E4M3(x[m] / s)."""
     row = tl.program_id(0)
+    if INDEX_64:
+        row = row.to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
     offs = tl.arange(0, BLOCK_K)
@@ -139,23 +172,27 @@ def _act_quant_kernel(
             s = tl.load(s_ptr)
         else:
             s = tl.div_rn(tl.max(tl.abs(x), axis=0), E4M3_MAX)  # correctly rounded, as qlab
+            s = tl.where(tl.max(_not_finite(x), axis=0) == 0, s, float("nan"))  # NAN_POLICY
             tl.store(s_ptr + row, s)
         if MODE != 1:
-            tl.store(q_row + offs, _quantize_row(x, s).to(q_ptr.dtype.element_ty), mask=offs < K)
+            tl.store(q_row + offs, _e4m3(_quantize_row(x, s)), mask=offs < K)
     else:
         if MODE == 2:
             s = tl.load(s_ptr)
         else:
             amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            bad = tl.zeros((BLOCK_K,), dtype=tl.int32)
             for k0 in range(0, K, BLOCK_K):
-                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
-                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+                bad = tl.maximum(bad, _not_finite(x))
             s = tl.div_rn(tl.max(amax, axis=0), E4M3_MAX)
+            s = tl.where(tl.max(bad, axis=0) == 0, s, float("nan"))  # NAN_POLICY
             tl.store(s_ptr + row, s)
         if MODE != 1:
             for k0 in range(0, K, BLOCK_K):  # the second read of the row hits L2
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-                q = _quantize_row(x, s).to(q_ptr.dtype.element_ty)  # exact cast: on the grid
+                q = _e4m3(_quantize_row(x, s))  # exact cast: on the grid
                 tl.store(q_row + k0 + offs, q, mask=k0 + offs < K)
 
 
@@ -187,6 +224,7 @@ def _fp8_gemm_swap_kernel(  # ~60 lines: half of them the argument list, Triton-
     GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr,  # None: fast accumulation; BLOCK_K: promote every step
+    INDEX_64: tl.constexpr,  # an element offset can pass 2**31 - 1: row offsets in int64
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -197,6 +235,8 @@ def _fp8_gemm_swap_kernel(  # ~60 lines: half of them the argument list, Triton-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.minimum(offs_n, N - 1)  # clamped loads, masked stores
     tokens = tl.minimum(offs_m, M - 1)
+    if INDEX_64:
+        rows, tokens, offs_m = rows.to(tl.int64), tokens.to(tl.int64), offs_m.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
 
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -250,6 +290,7 @@ def _fp8_gemm_kernel(
     GROUP_M: tl.constexpr,  # grouped tile order: GROUP_M row tiles share W tiles in L2
     NUM_STAGES: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr,
+    INDEX_64: tl.constexpr,  # an element offset can pass 2**31 - 1: row offsets in int64
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -258,6 +299,8 @@ def _fp8_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.minimum(offs_m, M - 1)
     rows = tl.minimum(offs_n, N - 1)
+    if INDEX_64:
+        rows, tokens, offs_m = rows.to(tl.int64), tokens.to(tl.int64), offs_m.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -282,6 +325,39 @@ def _fp8_gemm_kernel(
 
 
 # ----------------------------------------------------------------------------- wrappers
+def check_fp8_weight(w) -> None:
+    """An FP8Weight as pack_fp8 makes it: E4M3 codes (N, K) with K a multiple of 16 and
+    unit stride along K, float32 scales (N,) per channel or (1,) per tensor."""
+    if not isinstance(w, FP8Weight):
+        raise TypeError(f"w must be the FP8Weight from pack_fp8, got {type(w).__name__}")
+    codes, scales = w.codes, w.scales
+    if codes.dtype != torch.float8_e4m3fn or codes.ndim != 2 or codes.stride(-1) != 1:
+        raise ValueError(
+            f"w.codes must be float8_e4m3fn (N, K) with unit stride along K, got {codes.dtype} "
+            f"of shape {tuple(codes.shape)}; build it with pack_fp8"
+        )
+    N, K = codes.shape
+    if K % FP8_K_MULTIPLE:
+        raise ValueError(
+            f"in_features K = {K} is not a multiple of {FP8_K_MULTIPLE}: the FP8 GEMM loads "
+            f"16 bytes of a row at a time; pad the weight and x with zero columns to "
+            f"K = {-(-K // FP8_K_MULTIPLE) * FP8_K_MULTIPLE} (zeros add nothing to the products)"
+        )
+    want = {"channel": (N,), "tensor": (1,)}.get(w.granularity)
+    if want is None:
+        raise ValueError(f"w.granularity must be 'channel' or 'tensor', got {w.granularity!r}")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+        raise TypeError(
+            f"w.scales must be float32, got {getattr(scales, 'dtype', type(scales).__name__)}: "
+            "the kernel reads them as fp32 bits; convert with .float()"
+        )
+    if tuple(scales.shape) != want or not scales.is_contiguous():
+        raise ValueError(
+            f"w.scales must be contiguous of shape {want} for {w.granularity!r} granularity "
+            f"and N = {N}, got {tuple(scales.shape)}"
+        )
+
+
 def _check_fp8_device(t: torch.Tensor) -> None:
     if t.device.type == "cuda" and not INTERPRET:
         major, minor = torch.cuda.get_device_capability(t.device)
@@ -322,7 +398,7 @@ def plan_act_quant(x, codes, scales, mode: int) -> Launch:
         kernel=_act_quant_kernel,
         grid=(M,),
         args=(x, codes, scales, K, x.stride(0), codes.stride(0)),
-        meta=dict(BLOCK_K=block_k, ONE_PASS=one_pass, MODE=mode,
+        meta=dict(BLOCK_K=block_k, ONE_PASS=one_pass, MODE=mode, INDEX_64=needs_int64(x, codes),
                   num_warps=4 if block_k <= 2048 else 8 if block_k <= 4096 else 16),  # fmt: skip
     )
 
@@ -364,6 +440,7 @@ def plan_gemm(q_x, s_x, w: FP8Weight, out, config: Config, sms: int, fast_accum:
     stride_sx = 1 if s_x.ndim == 1 else 0  # per token, or one scale broadcast with stride 0
     stride_sw = 1 if w.granularity == "channel" else 0
     max_imprecise = None if fast_accum else config.block_k
+    index_64 = needs_int64(q_x, w.codes, out)
     if M <= SWAP_AB_MAX_M:
         tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
         split = configs.split_k_for(tiles, triton.cdiv(K, config.block_k), sms)
@@ -375,7 +452,7 @@ def plan_gemm(q_x, s_x, w: FP8Weight, out, config: Config, sms: int, fast_accum:
                   w.codes.stride(0), q_x.stride(0), stride_sw, stride_sx, out.stride(0),
                   split),  # fmt: skip
             meta=dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                      GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
+                      GROUP_M=config.group_m, NUM_STAGES=config.num_stages, INDEX_64=index_64,
                       MAX_IMPRECISE=max_imprecise, num_warps=config.num_warps),  # fmt: skip
             config=config,
         )
@@ -386,7 +463,7 @@ def plan_gemm(q_x, s_x, w: FP8Weight, out, config: Config, sms: int, fast_accum:
         args=(q_x, w.codes, s_x, w.scales, out, M, N, K,
               q_x.stride(0), w.codes.stride(0), stride_sx, stride_sw, out.stride(0)),  # fmt: skip
         meta=dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                  GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
+                  GROUP_M=config.group_m, NUM_STAGES=config.num_stages, INDEX_64=index_64,
                   MAX_IMPRECISE=max_imprecise, num_warps=config.num_warps),  # fmt: skip
         config=config,
     )
@@ -402,10 +479,16 @@ def fp8_scaled_mm(
     """The GEMM alone: (q_x (M, K) fp8, s_x (M,) or ()) from quantize_act_fp8, times
     W_hat.T -> (M, N) in out_dtype. What torch._scaled_mm does (use_fast_accum=fast_accum);
     fp8_linear calls it."""
+    check_fp8_weight(w)
     check_activation(q_x, w.shape[1], dtypes=(torch.float8_e4m3fn,), two_d=True)
     M, K = q_x.shape
     N = w.shape[0]
-    if s_x.dtype != torch.float32 or tuple(s_x.shape) not in ((M,), ()):
+    if not isinstance(s_x, torch.Tensor) or s_x.dtype != torch.float32:
+        raise TypeError(
+            f"s_x must be a float32 tensor (the scales quantize_act_fp8 returns), got "
+            f"{getattr(s_x, 'dtype', type(s_x).__name__)}; other dtypes would be read as fp32 bits"
+        )
+    if tuple(s_x.shape) not in ((M,), ()):
         raise ValueError(f"s_x must be float32 of shape ({M},) or (), got {tuple(s_x.shape)}")
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
@@ -435,8 +518,7 @@ def fp8_linear(
     fast_accum: let the FP8 MMA accumulate the whole K loop at its internal precision
     (see the module docstring); False promotes into fp32 every K step.
     """
-    if not isinstance(w, FP8Weight):
-        raise TypeError(f"w must be the FP8Weight from pack_fp8, got {type(w).__name__}")
+    check_fp8_weight(w)
     if act_granularity not in ("token", "tensor"):
         raise ValueError(f"act_granularity must be 'token' or 'tensor', got {act_granularity!r}")
     N, K = w.shape

@@ -25,8 +25,12 @@ def title(doc: dict) -> str:
 
 
 def plot_roofline(doc: dict, path: Path | None = None, shape: str | None = None,
-                  m_marks=(1, 16, 128, 1024, 4096)):  # fmt: skip
-    """Attainable TFLOP/s against FLOPs per byte: the roofs and each kernel's points."""
+                  m_marks=(1, 16, 128, 1024, 4096), issue: dict | None = None):  # fmt: skip
+    """Attainable TFLOP/s against FLOPs per byte: the roofs and each kernel's points.
+
+    issue: {label: (thread-instructions per second, SASS instructions per byte)} draws an
+    instruction-issue roof per entry (kernels/roofline.py issue_rate): a kernel issuing that
+    many instructions per byte streams at most rate / instructions bytes per second."""
     from matplotlib.figure import Figure
 
     spec = doc["device"]
@@ -39,6 +43,11 @@ def plot_roofline(doc: dict, path: Path | None = None, shape: str | None = None,
         if peak:
             ax.plot(xs, [min(peak, bw * i) / 1e12 for i in xs], "k" + style, lw=1,
                     label=f"{precision} roof")  # fmt: skip
+    for (label, (rate, per_byte)), color in zip((issue or {}).items(), ("C5", "C6", "C7"),
+                                                strict=False):  # fmt: skip
+        peak = spec["peak_flops"]["bf16"]
+        ax.plot(xs, [min(peak, rate / per_byte * i) / 1e12 for i in xs], ":", color=color,
+                lw=1.5, label=f"issue roof: {label}, {per_byte:.1f} instr/byte")  # fmt: skip
     shape = shape or (doc["rows"][0]["shape"] if doc["rows"] else None)
     for kernel, color, style in SERIES:
         pts = [r for r in doc["rows"] if r["shape"] == shape and r["kernel"] == kernel

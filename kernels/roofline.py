@@ -9,6 +9,16 @@ arithmetic intensity F / B against the ridge point peak / bandwidth says which b
 applies. This is a MODEL: it charges nothing for unpacking, launches or latency, so a
 measured kernel can only be slower. kernels/bench.py puts it beside every measurement.
 
+A third roof, instruction issue: an SM issues at most one warp instruction per clock from
+each of its 4 schedulers, 128 thread-instructions per clock. On Hopper an SM also does 4,096
+dense bf16 tensor-core FLOPs per clock, so the datasheet's bf16 peak fixes the clock and
+
+    issue rate = SMs x 128 x clock = peak_bf16 / 32     thread-instructions per second
+
+(H100 SXM: 989.4e12 / 32 = 30.9e12, 9.2 per byte of its 3.35 TB/s; H200: 6.4 per byte of
+4.8 TB/s). A kernel whose main loop issues I SASS instructions per byte it streams cannot
+stream faster than issue rate / I bytes per second (issue_seconds; I from compile_for).
+
 Kernels counted (x is (M, K) bf16, W is (N, K), y is (M, N) bf16, group g):
 
     torch_bf16        F.linear in bf16 (cuBLAS)
@@ -40,9 +50,15 @@ __all__ = [
     "ridge_intensity",
     "model_rows",
     "stops_paying_m",
+    "issue_rate",
+    "issue_seconds",
 ]
 
 GROUP_SIZE = 128
+# dense, per SM: twice an A100 SM's 2,048 (H100 whitepaper: 2x the MMA rate clock for clock;
+# A100: 108 SMs x 2,048 x 1.41 GHz = 312e12); H100 SXM: 132 SMs x 4,096 x 1.83 GHz = 989.4e12
+HOPPER_BF16_FLOPS_PER_CLOCK = 4096
+THREAD_INSTRUCTIONS_PER_CLOCK = 4 * 32  # per SM: 4 warp schedulers, 1 warp instruction each
 # Which tensor-core peak bounds each kernel's arithmetic.
 PRECISION = {
     "torch_bf16": "bf16",
@@ -172,3 +188,17 @@ def stops_paying_m(rows: list[dict], shape: str, kernel: str, gain: float = 1.1)
         if row["shape"] == shape and row["kernel"] == kernel and row["speedup_vs_bf16"] < gain:
             return row["M"]
     return None
+
+
+def issue_rate(dev: str | Device) -> float:
+    """Thread-instructions per second a Hopper-class device can issue: peak_bf16 / 32
+    (its clock from the bf16 peak, 128 thread-instructions per SM per clock)."""
+    dev = device(dev)
+    clocks_times_sms = dev.peak_flops["bf16"] / HOPPER_BF16_FLOPS_PER_CLOCK
+    return clocks_times_sms * THREAD_INSTRUCTIONS_PER_CLOCK
+
+
+def issue_seconds(instructions_per_byte: float, nbytes: float, dev: str | Device) -> float:
+    """The issue roof: time to issue the instructions that stream nbytes at
+    `instructions_per_byte` SASS instructions per byte (a MODEL: perfect issue, no stalls)."""
+    return instructions_per_byte * nbytes / issue_rate(dev)

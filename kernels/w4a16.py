@@ -23,6 +23,7 @@ features sit on the 64-row side of Hopper's wgmma and the few tokens on its narr
     for k0 ...:                                             # pipelined: cp.async stages
         w = fp16/bf16(code[rows, k0:k0+block_k] * s[rows])  # dequantized tile, registers
         acc += dot(w, x[tokens, k0:k0+block_k]^T)           # wgmma, A from registers
+                                                            # (put there via shared memory)
     y[tokens, rows] = acc^T
 
 The scale multiplies the weight tile before the dot (block_n x block_k multiplies per step)
@@ -30,8 +31,10 @@ rather than the accumulator after it: scaling the accumulator would need the dot
 every step and stall the tensor-core pipeline (wgmma.wait_group 0). The price is one
 rounding of c * s to 16 bits per weight (the tolerance, kernels/tolerance.py, counts it).
 
-int4 -> float without an int-to-float instruction: XOR-ing a nibble with 8 gives code + 8
-(4-bit two's complement to offset binary); placed in the mantissa of 2**23 (fp32) or 1024
+int4 -> float without an int-to-float instruction (still several SASS instructions per
+nibble: the GEMV's main loop issues about 16 per packed byte, notebook 09, which makes it
+instruction-bound rather than bandwidth-bound by the model): XOR-ing a nibble with 8 gives
+code + 8 (4-bit two's complement to offset binary); placed in the mantissa of 2**23 (fp32) or 1024
 (fp16) it reads as 2**23 + code + 8, and one subtraction leaves the exact code:
     fp32(0x4B000000 | (nib ^ 8)) - (2**23 + 8) == code
 """
@@ -51,6 +54,7 @@ from qlab.kernels._backend import (
     check_activation,
     check_device,
     check_linear_weight,
+    needs_int64,
 )
 from qlab.kernels._tiles import split_k_buffers, store_or_reduce, tile_coords
 from qlab.kernels.configs import Config, Launch
@@ -205,6 +209,7 @@ def _w4a16_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides GROUP_SIZE: one scale per row per step
     NUM_STAGES: tl.constexpr,
+    INDEX_64: tl.constexpr,  # an element offset can pass 2**31 - 1: row offsets in int64
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -212,6 +217,8 @@ def _w4a16_gemv_kernel(
     # Clamp instead of masking the loads: a mask would not stop a ragged last block from
     # reading, and unmasked 16-byte loads stay whole. Only the store is masked.
     rows = tl.minimum(offs_n, N - 1)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
     offs_b = tl.arange(0, BLOCK_K // 2)  # byte j of a step holds k0 + 2j and k0 + 2j + 1
     x_pairs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # word j = (x[2j], x[2j+1])
 
@@ -237,7 +244,10 @@ def _w4a16_gemv_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+# split_k is never compiled in as a constant: Triton specializes an int argument equal to 1,
+# and with split_k == 1 built in, ptxas serialises every wgmma of the K loop (ptxas info
+# C7515, a WARPGROUP.DEPBAR wait after each HGMMA: tests/kernels/test_kernel_aot.py).
+@triton.jit(do_not_specialize=["split_k"])
 def _w4a16_gemm_kernel(  # ~60 lines: half of them the argument list, Triton-tutorial style
     # pointers
     x_ptr,  # fp16/bf16 (M, K)
@@ -264,6 +274,7 @@ def _w4a16_gemm_kernel(  # ~60 lines: half of them the argument list, Triton-tut
     GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16
+    INDEX_64: tl.constexpr,  # an element offset can pass 2**31 - 1: row offsets in int64
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -274,6 +285,8 @@ def _w4a16_gemm_kernel(  # ~60 lines: half of them the argument list, Triton-tut
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # shape: (BLOCK_M,)
     rows = tl.minimum(offs_n, N - 1)  # clamped loads, masked stores (see the GEMV)
     tokens = tl.minimum(offs_m, M - 1)
+    if INDEX_64:
+        rows, tokens, offs_m = rows.to(tl.int64), tokens.to(tl.int64), offs_m.to(tl.int64)
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_k = tl.arange(0, BLOCK_K)
 
@@ -330,7 +343,8 @@ def plan(x2, w: W4A16Weight, out, config: Config, sms: int, buffers=split_k_buff
             args=(x2, w.packed, w.scales, out, ws, counts, N, K,
                   w.packed.stride(0), w.scales.stride(0), split),  # fmt: skip
             meta=dict(GROUP_SIZE=g, BLOCK_N=config.block_n, BLOCK_K=block_k,
-                      NUM_STAGES=config.num_stages, num_warps=config.num_warps),  # fmt: skip
+                      NUM_STAGES=config.num_stages, INDEX_64=needs_int64(w.packed),
+                      num_warps=config.num_warps),  # fmt: skip
             config=config,
         )
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
@@ -347,6 +361,7 @@ def plan(x2, w: W4A16Weight, out, config: Config, sms: int, buffers=split_k_buff
             # Triton's CPU interpreter feeds bf16 to numpy as raw uint16 in tl.dot;
             # upcasting to fp32 there gives the same exact products and fp32 sums.
             UPCAST_DOT=INTERPRET and x2.dtype == torch.bfloat16,
+            INDEX_64=needs_int64(x2, w.packed, out),
             num_warps=config.num_warps,
         ),  # fmt: skip
         config=config,

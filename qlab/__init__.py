@@ -5,6 +5,7 @@ See docs/CONTRACT.md for the public API and the numeric conventions.
 """
 
 from qlab import cost, formats, metrics
+from qlab._tensor import apply_thread_policy
 from qlab.packing import pack_int4, unpack_int4
 from qlab.quantize import QTensor, dequantize, fake_quantize, quantize
 from qlab.schemes import SCHEME_NAMES, SCHEMES, Scheme, get_scheme, int_scheme
@@ -21,6 +22,10 @@ def __getattr__(name: str):
         return importlib.import_module(f"qlab.{name}")
     raise AttributeError(f"module 'qlab' has no attribute {name!r}")
 
+
+# torch threads capped at the CPUs this process may use (affinity, cgroup quota) unless
+# the user set OMP_NUM_THREADS: qlab/_tensor.py's thread policy
+apply_thread_policy()
 
 __version__ = "0.1.0"
 __all__ = [

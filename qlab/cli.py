@@ -2,8 +2,8 @@
 
     qlab assign [--source solutions] [--dest exercises] [--check]
     qlab grade SUBMISSION... --out DIR [--jobs N] [--timeout S] [--wall S] [--mem-mb MB]
-               [--seed N] [--assignment NAME] [--env KEY=VALUE] [--sandbox auto|on|off]
-               [--shard I/N]
+               [--procs N] [--disk-mb MB] [--seed N] [--assignment NAME] [--env KEY=VALUE]
+               [--sandbox auto|on|off] [--shard I/N] [--forbid-reference]
     qlab grade merge DIR... --out DIR     (combine the results of --shard runs)
 
 To add a subcommand (e.g. ``bench``): write ``_add_bench(sub)`` that creates its parser
@@ -81,6 +81,9 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         wall=args.wall,
         mem_mb=args.mem_mb,
+        procs=args.procs,
+        disk_mb=args.disk_mb,
+        forbid_reference=args.forbid_reference,
         seed=args.seed,
         assignment=args.assignment,
         env=env,
@@ -163,7 +166,26 @@ def _add_grade(sub) -> None:
         "--mem-mb",
         type=int,
         default=4096,
-        help="address-space limit of each kernel in MiB (default 4096)",
+        help="memory of one submission's processes together, and address space of each, "
+        "in MiB (default 4096)",
+    )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=256,
+        help="processes and threads of one submission together (default 256)",
+    )
+    p.add_argument(
+        "--disk-mb",
+        type=int,
+        default=1024,
+        help="MiB of files one submission may write (default 1024)",
+    )
+    p.add_argument(
+        "--forbid-reference",
+        action="store_true",
+        help="score 0 a task whose function calls the qlab function the task asks for, or "
+        "the grader's reference (default: graded on its results, flagged in uses_reference)",
     )
     p.add_argument(
         "--seed",

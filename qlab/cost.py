@@ -1,9 +1,16 @@
 """The cost model of decode: bytes of weights, the bandwidth ceiling, KV-cache capacity.
 
-At batch 1 every generated token reads every weight once, so
+At batch 1 a dense model reads every weight once per generated token (all but the embedding
+table, of which it reads one row; a mixture-of-experts model reads only the experts it routes
+to), so
     tokens/s <= bandwidth / weight_bytes
 and whatever memory the weights leave free holds KV cache, i.e. concurrent sequences.
-Sizes are decimal (1 GB = 1e9 bytes), as datasheets quote them.
+With n sequences decoded together, each step also reads every sequence's KV cache:
+    tokens/s per sequence <= bandwidth / (weight_bytes + n * kv_bytes_per_sequence).
+Sizes are decimal (1 GB = 1e9 bytes). A preset's memory is the datasheet's "80 GB" read as
+80e9 bytes: an H100 SXM in fact reports 81,559 MiB (85.5e9 bytes) to nvidia-smi, and the
+runtime (CUDA context, allocator, activations) takes some of that back. Nothing is reserved
+unless reserve_bytes says so: every figure here is an idealised ceiling, not a prediction.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ __all__ = [
     "bits_per_weight",
     "weight_bytes",
     "decode_ceiling_tokens_per_s",
+    "decode_ceiling_per_sequence",
     "kv_cache_bytes_per_token",
     "max_concurrent_sequences",
 ]
@@ -102,8 +110,9 @@ DEVICES = {
         Device("GH200 144GB", 144e9, 4.9e12, {"bf16": 989.4e12, "fp8": 1978.9e12, "fp32": 67e12}),
         # A100 datasheet (SXM): 80 GB, 2,039 GB/s, 312 TFLOP/s bf16, 19.5 fp32; no fp8 (sm_80)
         Device("A100 80GB", 80e9, 2.039e12, {"bf16": 312e12, "fp8": None, "fp32": 19.5e12}),
-        # Blackwell datasheet / HGX B200 per GPU: 192 GB HBM3e, 8 TB/s, 2.25 / 4.5 PFLOP/s
-        # and 9 PFLOP/s dense FP4 (HGX B200: 144 PFLOP/s FP4 with sparsity for 8 GPUs)
+        # Blackwell launch figures / HGX B200 per GPU: 192 GB HBM3e, 8 TB/s, 2.25 / 4.5 PFLOP/s
+        # bf16 / fp8 and 9 PFLOP/s dense FP4 (HGX B200: 144 PFLOP/s FP4 with sparsity for 8
+        # GPUs). The DGX B200 datasheet lists 1,440 GB and 64 TB/s for 8 GPUs: 180 GB each.
         Device("B200", 192e9, 8.0e12, {"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12}),
         # Ada (sm_89) has FP8 tensor cores too. Ada whitepaper, RTX 4090: 24 GB GDDR6X,
         # 1,008 GB/s; 165.2 TFLOP/s bf16 and 330.3 fp8 with fp32 accumulate, 82.6 fp32
@@ -121,8 +130,9 @@ MODELS = {
     m.name: m
     for m in [
         # Hugging Face config.json of each model: num_hidden_layers, num_key_value_heads,
-        # hidden_size / num_attention_heads, num_attention_heads; parameter counts from the
-        # model cards.
+        # hidden_size / num_attention_heads, num_attention_heads. Parameter counts: the size
+        # Hugging Face shows for each checkpoint ("Model size"), counted from its safetensors
+        # files.
         ModelConfig("Llama-2-7B", 6.74e9, 32, 32, 128, n_heads=32),
         ModelConfig("Llama-2-70B", 69.0e9, 80, 8, 128, n_heads=64),
         ModelConfig("Llama-3-8B", 8.03e9, 32, 8, 128, n_heads=32),
@@ -159,6 +169,24 @@ def decode_ceiling_tokens_per_s(weight_bytes: float, bandwidth_bytes_per_s: floa
     _positive("weight_bytes", weight_bytes)
     _positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
     return bandwidth_bytes_per_s / weight_bytes
+
+
+def decode_ceiling_per_sequence(
+    weight_bytes: float, kv_bytes_per_sequence: float, n_sequences: int,
+    bandwidth_bytes_per_s: float,
+) -> float:
+    """Decode ceiling of EACH of n_sequences decoded together, in tokens/s.
+
+    Every step reads every weight once (shared by the batch) and every sequence's KV cache
+    once: bandwidth / (weight_bytes + n_sequences * kv_bytes_per_sequence). The machine's
+    total is n_sequences times this. kv_bytes_per_sequence = kv_cache_bytes_per_token x
+    the tokens in that sequence's context. Compute is assumed not to be the limit.
+    """
+    _positive("weight_bytes", weight_bytes)
+    _non_negative("kv_bytes_per_sequence", kv_bytes_per_sequence)
+    _positive_int("n_sequences", n_sequences)
+    _positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    return bandwidth_bytes_per_s / (weight_bytes + n_sequences * kv_bytes_per_sequence)
 
 
 def _model(model) -> ModelConfig:

@@ -119,7 +119,9 @@ def double_quantize(amax: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
-    """OCP MX v1.0, section 6.3: X = 2^(floor(log2(amax)) - emax_elem), clamped to
+    """OCP MX v1.0, section 6.3 (the conversion the spec recommends; implementations may
+    round the scale up instead, e.g. torchao's RCEIL, which never clips the block's largest
+    element): X = 2^(floor(log2(amax)) - emax_elem), clamped to
     [-127, 127] (the E8M0 range). floor(log2) is read from the float32 exponent bits,
     not computed with log2 (which rounds up just below powers of two). Elements are
     the grid's RNE saturating encode of x / X. An all-zero block gets X = 2^-127; a
@@ -141,7 +143,8 @@ def e8m0(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
 def nvfp4(blocks: torch.Tensor, scheme: Scheme) -> RuleResult:
     """NVFP4, all in fp32: ts = amax / 2688; bs = E4M3(clamp((block_amax / 6) / ts,
     2^-6, 448)); e = E2M1(x / (ts * bs)) RNE saturating; x_hat = e * (ts * bs).
-    (Some implementations skip the 2^-6 floor; then an all-zero block divides 0 by 0.)"""
+    The clamp is an implementation choice (torchao's), not part of the format; some
+    implementations skip the 2^-6 floor, and then an all-zero block divides 0 by 0."""
     grid = scheme.grid
     tensor_amax = _amax(blocks.reshape(1, -1))[0]
     ts = tensor_amax / NVFP4_TENSOR_DIVISOR

@@ -1,8 +1,19 @@
-"""Fixtures shared across test folders."""
+"""Fixtures shared across test folders, and the course's thread policy for the tests.
 
-from pathlib import Path
+The policy (qlab/_tensor.py): OpenMP threads that wait sleep instead of spinning
+(OMP_WAIT_POLICY=PASSIVE, read once when torch loads OpenMP, so it is set here, before
+any test module imports torch; kernels and subprocesses the tests start inherit it), and
+torch uses the CPUs this process may use (`import qlab` applies it). A value the user
+set in the environment wins.
+"""
 
-import pytest
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +23,51 @@ def executed_chapters(tmp_path_factory) -> Path:
     path = tmp_path_factory.getbasetemp() / "executed-chapters"
     path.mkdir(exist_ok=True)
     return path
+
+
+# Tests `make test-fast` leaves out: marked `slow` here, in one place (pytest node-id
+# prefixes, relative to the repository), so the fast subset needs no edit in the test
+# files. Each runs a notebook, a kernel, a browser, a clean clone, a build, a training
+# run or a whole model: seconds to minutes each on the course's 2-core machine (pytest's
+# --durations lists them at the end of `make test`). `make test` runs them all.
+SLOW = (
+    "tests/notebooks/test_chapters.py::test_chapter_runs_top_to_bottom",  # every chapter
+    "tests/site/test_site_browser.py",  # the site's Sphinx build, read in Chromium
+    "tests/notebooks/test_browser.py",  # JupyterLab driven in Chromium
+    "tests/test_readme_commands.py::test_doc_commands_run_in_a_clean_clone",  # `qlab grade`
+    "tests/test_readme_commands.py::test_my_work_is_a_safe_workspace",  # a clean clone
+    "tests/lm/test_checkpoint.py::test_validation_perplexity_matches_documented_value",
+    "tests/ptq/test_calibrate.py::test_end_to_end_through_the_w4a16_kernel",  # interpreter
+    "tests/ptq/test_calibrate.py::test_shipped_results_are_reproduced",
+    "tests/ptq/test_gptq.py::test_benchmark_script_runs",
+    "tests/qat/test_modules.py::test_a_short_qat_run_lowers_the_loss_of_the_quantized_model",
+    "tests/qat/test_train.py::test_the_script_reproduces_the_first_logged_losses",
+    "tests/qat/test_train.py::test_cli_writes_a_checkpoint_and_a_log",
+    "tests/qat/test_train.py::test_shipped_qat_beats_ptq_at_the_same_bits",
+    "tests/qat/test_baselines.py::test_the_script_reproduces_a_shipped_baseline",
+    "tests/gguf/test_gguf_file.py::test_tinylm_round_trip_bit_exact",
+    "tests/gguf/test_gguf_imatrix.py::test_imatrix_lowers_the_error_it_weights",
+    # `qlab grade` end to end: sandboxed kernels execute whole notebooks
+    "tests/grading/test_grading_mutants.py",
+    "tests/grading/test_grading_sandbox.py",
+    "tests/grading/test_grading_cli.py",
+    "tests/grading/test_grading_hostile.py",
+    "tests/grading/test_grading_part3.py",
+    "tests/kernels/test_kernel_exercises.py",
+    # the check() bank on many seeds, kernels on the interpreter, ahead-of-time builds,
+    # subprocesses that import torch and triton afresh
+    "tests/grading/test_grading_check.py::test_mutant_fails_on_every_seed",
+    "tests/grading/test_grading_check.py::test_solution_passes_on_many_seeds",
+    "tests/kernels/test_kernel_aot.py",
+    "tests/kernels/test_kernel_backend.py",
+    "tests/kernels/test_bench.py::test_cpu_mode_checks_every_candidate_and_writes_a_labelled_model",
+    "tests/kernels/test_gpu_session.py::test_a_shape_whose_process_dies_is_recorded_and_the_next_shape_runs",
+    "tests/kernels/test_kernel_safety.py::test_a_128k_vocabulary_lm_head_at_16k_tokens_builds_with_64_bit_offsets",
+    "tests/lm/test_ch12_results.py::test_shipped_rows_match_a_fresh_computation",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)

@@ -24,6 +24,25 @@ def test_decode_ceiling():
     assert round(cost.decode_ceiling_tokens_per_s(b4, 3e12)) == 82
 
 
+def test_decode_ceiling_per_sequence_reads_every_cache():
+    # notebook 00: at full occupancy of an 80 GB device, 8-bit (7 sequences) and 4-bit g128
+    # (32 sequences) weights give each user about the same speed; only the total differs
+    m = cost.ModelConfig("toy", 70e9, 80, 8, 128)
+    per_seq = cost.kv_cache_bytes_per_token(m) * 4096
+    speeds = {}
+    for bpw in (8, cost.bits_per_weight(4, 128, 16, 4)):
+        n = cost.max_concurrent_sequences(m, bpw, "H100 SXM", 4096)
+        wb = cost.weight_bytes(70e9, bpw)
+        speeds[n] = cost.decode_ceiling_per_sequence(wb, per_seq, n, 3e12)
+        assert speeds[n] == 3e12 / (wb + n * per_seq)
+    assert sorted(speeds) == [7, 32]
+    assert round(speeds[7], 1) == 37.8 and round(speeds[32], 1) == 37.8
+    assert round(7 * speeds[7]) == 264 and round(32 * speeds[32]) == 1210
+    # one sequence with no context: the batch-1 ceiling
+    assert cost.decode_ceiling_per_sequence(70e9, 0, 1, 3e12) == (
+        cost.decode_ceiling_tokens_per_s(70e9, 3e12))
+
+
 def test_kv_cache_and_concurrency():
     # Llama-2-70B: 80 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
     assert cost.kv_cache_bytes_per_token("Llama-2-70B") == 80 * 8 * 128 * 2 * 2
@@ -73,6 +92,8 @@ def test_presets_from_the_datasheets():
         (lambda: cost.decode_ceiling_tokens_per_s(-1e9, 3e12), "weight_bytes"),
         (lambda: cost.decode_ceiling_tokens_per_s(1e9, -3e12), "bandwidth"),
         (lambda: cost.kv_cache_bytes_per_token("Llama-3-8B", kv_bits=-8), "kv_bits"),
+        (lambda: cost.decode_ceiling_per_sequence(70e9, -1, 1, 3e12), "kv_bytes_per_sequence"),
+        (lambda: cost.decode_ceiling_per_sequence(70e9, 1e9, 0, 3e12), "n_sequences"),
         (lambda: cost.max_concurrent_sequences("Llama-3-8B", 4, "H100 SXM", 0), "context_len"),
         (lambda: cost.max_concurrent_sequences("Llama-3-8B", -4, "H100 SXM", 4096),
          "bits_per_weight"),

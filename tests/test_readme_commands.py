@@ -59,6 +59,7 @@ CHEAP: dict[str, str] = {
     ),
     "jupyter lab": SERVE,
     "make test": "make -n test",  # CI runs it for real: .ci/run
+    "make test-fast": "make -n test-fast",  # a subset of what `make test` runs
     "make site": "make -n site",  # tests/site/test_site_browser.py builds the site for real
     'make site SITE_ARGS="--only 00 02"': "make -n site SITE_ARGS='--only 00 02'",
     "make system-deps": "make -n system-deps",  # apt-get: root or sudo
@@ -66,6 +67,7 @@ CHEAP: dict[str, str] = {
         "python -c \"import yaml; assert yaml.safe_load(open('environment.yml'))['name']\""
     ),
     "bash benchmarks/gpu_session.sh": "bash -n benchmarks/gpu_session.sh",
+    "python benchmarks/bench_contention.py 00": "python benchmarks/bench_contention.py --help",
 }
 SCRIPT_ENV = {"SLURM_ARRAY_TASK_ID": "1"}  # what a batch system sets for a script block
 INLINE = re.compile(r"`((?:make|qlab|python3?|pip|jupyter|pytest|conda|bash) [^`]*)`")

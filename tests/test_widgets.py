@@ -19,6 +19,7 @@ from qlab.widgets import (
     make_weights,
     measure,
 )
+from qlab.widgets.decode import summary_html
 from qlab.widgets.granularity import (
     FAMILIES,
     FORMAT_GRANULARITY,
@@ -247,6 +248,16 @@ def test_decode_summary_uses_qlab_cost():
         "Llama-3-70B", bpw, "H100 SXM", 4096, kv_bits=16
     )
     assert s["n_devices"] == 1
+    # every concurrent sequence decoding: each step reads the weights and all the caches
+    n = s["concurrent_sequences"]
+    assert s["tokens_per_s_each_full"] == cost.decode_ceiling_per_sequence(
+        s["weight_bytes"], s["kv_bytes_per_sequence"], n, 3.35e12
+    )
+    assert s["tokens_per_s_total_full"] == n * s["tokens_per_s_each_full"]
+    assert s["tokens_per_s_each_full"] < 0.6 * s["tokens_per_s"]
+    assert "all of them decoding" in summary_html(s)
+    none_fit = decode_summary("Llama-3-70B", 4, 128, "H100 SXM", context_len=1_000_000)
+    assert none_fit["concurrent_sequences"] == 0 and none_fit["tokens_per_s_total_full"] is None
 
 
 def test_decode_summary_devices_and_concurrency():

@@ -43,6 +43,8 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+from qlab._tensor import thread_count, thread_env
+
 SITE_DIR = Path(__file__).resolve().parent  # docs/site: conf.py, this script, the extension
 REPO = SITE_DIR.parents[1]
 NUMBERED = re.compile(r"^(\d\d)_.+\.ipynb$")  # notebooks/00_why_quantization.ipynb etc.
@@ -98,15 +100,20 @@ def numbered(folder: Path, only: list[str] | None = None) -> list[Path]:
 # ---------------------------------------------------------------- 1. execute
 
 
-def execute(path: Path, timeout: int = CELL_TIMEOUT_S) -> nbformat.NotebookNode:
+def execute(
+    path: Path, timeout: int = CELL_TIMEOUT_S, threads: int | None = None
+) -> nbformat.NotebookNode:
     """Run ``path`` top to bottom in a fresh kernel (cwd = its folder); return it with outputs.
 
-    Raises BuildError naming the notebook and the cell when a cell fails, times out or
-    the kernel dies.
+    The kernel gets qlab's thread policy (qlab/_tensor.py ``thread_env``): ``threads``
+    torch threads (default: the CPUs this process may use, or the user's OMP_NUM_THREADS)
+    that sleep rather than spin while they wait. Raises BuildError naming the notebook
+    and the cell when a cell fails, times out or the kernel dies.
     """
     nb = nbformat.read(path, as_version=4)
     env = dict(
         os.environ,
+        **thread_env(threads),
         PYTHONPATH=os.pathsep.join(filter(None, [str(SITE_DIR), os.environ.get("PYTHONPATH", "")])),
     )
     with tempfile.TemporaryDirectory(prefix="qlab-site-kernel-") as sockets:
@@ -160,14 +167,16 @@ def execute_all(
 ) -> dict[str, nbformat.NotebookNode]:
     """Execute ``paths`` (``jobs`` at a time) -> {repo-relative path: executed notebook}.
 
-    Every failure is reported, then BuildError.
+    Every failure is reported, then BuildError. The threads are shared out: each of the
+    ``jobs`` kernels gets thread_count() // jobs torch threads (at least 1).
     """
     results, failures = {}, []
+    threads = None if jobs <= 1 else max(1, thread_count() // jobs)
 
     def run(path: Path) -> None:
         start = time.monotonic()
         try:
-            results[path.relative_to(root).as_posix()] = execute(path)
+            results[path.relative_to(root).as_posix()] = execute(path, threads=threads)
             print(f"  executed {path.name} in {time.monotonic() - start:.0f} s", flush=True)
         except BuildError as e:
             failures.append(str(e))

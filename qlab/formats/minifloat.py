@@ -133,8 +133,10 @@ class Minifloat:
         """float -> uint8 codes, round-half-to-even (see the module docstring).
 
         FP8 formats take torch's native float8 cast where this torch has one (a fused
-        C++ loop, ~10x faster than the generic integer code below); the two are the same
-        function bit for bit, which tests/formats/test_minifloat.py checks on 10^6 values.
+        C++ loop, ~10x faster than the generic integer code below). Within +-max the two
+        give the same codes bit for bit. On overflow, torch's e5m2 cast gives inf, which
+        is moved down to +-max here, and its e4m3fn cast is relied on to saturate, as
+        torch 2.13 does. tests/formats/test_minifloat.py checks all of it (10^6 values).
         """
         x = as_float32(x)
         fast = _TORCH_FP8.get(self.name)

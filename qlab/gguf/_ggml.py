@@ -9,9 +9,18 @@ roundings; use div), and float32 torch.sqrt on AVX-512 CPUs is not correctly rou
 (measured: 17 % of results differ from the correctly rounded ones; use sqrtf).
 
 Build note: that is the C source under strict IEEE semantics (no fused multiply-add), what a
-compiler gives with -ffp-contract=off. A build that fuses a*b + c into one FMA (GCC's default
--ffp-contract=fast with -march=native on x86, or clang's default) can change a few K-quant
-codes per 100k weights; decoding and Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 encoding are unaffected.
+compiler gives with -ffp-contract=off. Code that fuses a*b + c into one FMA writes other
+bytes now and then: ggml-quants.c compiled with gcc 12 -O2 -march=native (GCC's GNU-mode
+default is -ffp-contract=fast) on an AVX-512 CPU, 200 rows of 1024 Gaussian weights: 3 % of
+Q5_K's bytes, 0.4 % of Q4_K's, 0.07-0.15 % of the importance-matrix Q4_0 ... Q5_1 differ.
+Which llama.cpp builds fuse: its CMake puts ggml-quants.c in the ggml-base library, and
+GGML_NATIVE's -march=native (ARCH_FLAGS) is a private option of the ggml-cpu library only
+(ggml/src/ggml-cpu/CMakeLists.txt), so a default x86-64 build compiles the quantizers for
+baseline x86-64, which has no FMA instruction, and does not fuse. Builds that can fuse:
+ARM64 ones (FMA is in the base instruction set, Apple silicon included, and by default
+GCC, in the GNU C mode llama.cpp's CMake selects, and clang, within an expression, both
+contract a*b + c) and any build given FMA flags for all files, e.g. CFLAGS=-march=native.
+Decoding and the reference Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 encoders are unaffected.
 """
 
 from __future__ import annotations
@@ -35,9 +44,12 @@ def nearest_int(v: torch.Tensor) -> torch.Tensor:
     The float add rounds to the nearest integer with ties to EVEN (the FPU's default mode),
     so for |v| < 2^22 this is round-half-to-even, the same rounding as torch.round and the
     rest of qlab. (Q8_0 uses C's roundf instead, ties away from zero; Q4_0/Q4_1/Q5_0/Q5_1
-    use (int)(v + 0.5), ties up.) Returns int32."""
-    bits = (v.to(torch.float32) + _MAGIC).view(torch.int32)
-    return (bits & 0x007FFFFF) - 0x00400000
+    use (int)(v + 0.5), ties up.) A NaN gives 0, as in C: the NaN that float arithmetic
+    creates has only its quiet bit (2^22) in the mantissa, which the - 2^22 cancels; this is
+    how llama.cpp's K-quants turn a NaN sub-block scale into a stored 0. Returns int32."""
+    v = v.to(torch.float32)
+    bits = (v + _MAGIC).view(torch.int32)
+    return torch.where(torch.isnan(v), 0, (bits & 0x007FFFFF) - 0x00400000)
 
 
 def seq_sum(terms: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,7 +99,22 @@ def as_i8(v: torch.Tensor) -> torch.Tensor:
 
 def first_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """C's `if (ax > amax) { amax = ax; max = x[i]; }` from amax = max = 0: the largest |x|
-    and the signed element where it first occurs (+0.0 for an all-zero group)."""
-    amax = x.abs().amax(dim=-1)
-    signed = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))[..., 0]
+    and the signed element where it first occurs (+0.0 for an all-zero group). A NaN is
+    never `> amax`, so it is skipped (a NaN sub-block scale does not become the maximum)."""
+    ax = x.abs()
+    ax = torch.where(torch.isnan(ax), torch.zeros_like(ax), ax)
+    amax = ax.amax(dim=-1)
+    signed = x.gather(-1, ax.argmax(dim=-1, keepdim=True))[..., 0]  # argmax: first maximum
     return amax, torch.where(amax == 0, torch.zeros_like(signed), signed)
+
+
+def first_min(x: torch.Tensor) -> torch.Tensor:
+    """C's `if (v < min) min = v;` over the last axis: the smallest element, taken where it
+    first occurs, so a row whose minimum is zero keeps the sign of its first zero (-0.0 < +0.0
+    is false; torch's amin may return either zero)."""
+    return x.gather(-1, x.argmin(dim=-1, keepdim=True))[..., 0]
+
+
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """C's `if (v > max) max = v;`: the largest element where it first occurs (see first_min)."""
+    return x.gather(-1, x.argmax(dim=-1, keepdim=True))[..., 0]

@@ -1,16 +1,27 @@
 """The importance matrix: llama.cpp's data-aware rounding, collected here in plain torch.
 
-llama-imatrix runs calibration text through the model and records, for every matrix that
-multiplies activations, the mean over tokens of each input column's squared activation:
+llama-imatrix runs calibration text through the model and records, for every weight matrix
+that multiplies activations in a transformer block (see below), the mean over tokens of
+each input column's squared activation:
 
     imatrix[j] = mean over tokens t of x[t, j]^2          (x: the matmul's input)
 
-That is the diagonal of the layer Hessian X^T X / n that GPTQ uses whole (chapter 13), and
-the per-channel activation size that AWQ scales by. The quantizer then picks scales (and,
-through them, rounding) that minimise sum_j w_j (x_j - x_hat_j)^2 with weights
-w_j = imatrix[j] * sqrt(sigma^2 + x_j^2) instead of the plain error: columns that see large
-activations are reproduced more carefully. Nothing is moved between columns (unlike GPTQ's
-error feedback) and no weights are rescaled (unlike AWQ): only the search is weighted.
+That is the diagonal of X^T X / n: half the diagonal of the layer Hessian H = 2 X^T X / n
+that GPTQ uses whole (chapter 13, qlab.ptq.hessian). AWQ ranks input channels by a related
+statistic, the mean |x[t, j]| (qlab.ptq.awq.act_mean_abs), not the mean square. The
+quantizer then picks scales (and, through them, rounding) that minimise
+sum_j w_j (x_j - x_hat_j)^2 instead of the plain error, with weights that depend on the type
+(ggml-quants.c, quantize_row_*_impl): w_j = imatrix[j] * sqrt(sigma^2 + x_j^2) for Q4_0,
+Q4_1, Q5_0, Q5_1 (sigma^2 the mean of x^2 over the row) and Q3_K, Q4_K, Q5_K
+(sigma^2 = 2 sum x^2 / 256 over the super-block); w_j = imatrix[j] for Q6_K; Q8_0 ignores
+the imatrix. Columns that see large activations are reproduced more carefully. Nothing is
+moved between columns (unlike GPTQ's error feedback) and no weights are rescaled (unlike
+AWQ): only the search is weighted.
+
+llama-imatrix (tools/imatrix/imatrix.cpp, collect_imatrix) records only the matrices whose
+name starts with "blk." (and output.weight with --process-output): never token_embd, so
+never a head tied to it. importance() records every nn.Linear, and its `head` argument
+adds a statistic llama-imatrix does not produce.
 """
 
 from __future__ import annotations

@@ -22,6 +22,20 @@ Q3_K), then every weight re-rounded against the scale it will actually be decode
 whose decoded scale is 0 keeps the codes of its search. With an importance matrix the
 _impl variants run (make_qkx3_quants + make_qp_quants for Q4_K/Q5_K, weighted
 make_qx_quants for Q3_K/Q6_K).
+
+Search weights, per element (llama.cpp's choices, not one formula):
+    Q4_K, Q5_K   reference av_x + |x|, av_x = sqrt(mean x^2 over the sub-block of 32);
+                 imatrix   im_j * sqrt(sigma2 + x_j^2), sigma2 = 2 * sum(x^2) / 256 over the
+                           super-block
+    Q3_K         reference x^2 (make_q3_quants); imatrix as Q4_K
+    Q6_K         reference x^2; imatrix im_j itself
+
+Edge cases, as in C: a sub-block whose scale search returns NaN (its weighted sums overflow
+float32, e.g. one weight of 1e19 among small ones) is skipped when the largest scale is
+picked and stored with sub-scale 0 (nearest_int(NaN) = 0), so the rest of the super-block
+decodes normally. A super-block whose sums overflow in every path llama.cpp takes (Q4_K,
+Q5_K, or Q6_K with an imatrix, on such a block) gets a NaN or inf fp16 scale in llama.cpp
+and in qlab alike.
 """
 
 from __future__ import annotations
@@ -250,13 +264,17 @@ def _quantize_k45(x: torch.Tensor, imatrix: torch.Tensor | None, nmax: int) -> d
         d, dmin = fp16(max_scale / 63.0), fp16(max_min / 63.0)
     else:
         sw = sum_from_zero(w).reshape(n, 8)
-        scales, mins, L = make_qkx(x.reshape(-1, 32), w, nmax, f32(-0.9), f32(0.05), 36, True)
+        scales, mins, L = make_qkx(x.reshape(-1, 32), w, nmax, f32(-0.9), f32(0.05), 36)
         d_block, ls = make_qp_quants(scales.reshape(n, 8), 63, sw)
         m_block, lm = make_qp_quants(mins.reshape(n, 8), 63, sw)
         d, dmin = fp16(d_block), fp16(m_block)
-        ls, lm = torch.clamp(ls, max=63), torch.clamp(lm, max=63)  # Q4_K_impl: no-ops
-    sub_min = dmin.to(torch.float32)[:, None] * lm.to(torch.float32)
-    q = _requantize(x, d, ls.to(torch.float32), sub_min, L.reshape(n, QK_K), 32, nmax, 0)
+        if nmax == 31:  # Q5_K_impl clamps to 63; Q4_K_impl packs all 8 bits of a code 255
+            ls, lm = torch.clamp(ls, max=63), torch.clamp(lm, max=63)
+    # the 6-bit scales and mins as they will be decoded: a 255 that Q4_K_impl packs reads
+    # back as 63, and its top bits land in another sub-block's scale (pack_scales_k4)
+    sc6, m6 = unpack_scales_k4(pack_scales_k4(ls, lm))
+    sub_min = dmin.to(torch.float32)[:, None] * m6.to(torch.float32)
+    q = _requantize(x, d, sc6.to(torch.float32), sub_min, L.reshape(n, QK_K), 32, nmax, 0)
     return {"d": d, "dmin": dmin, "sc": ls.to(torch.uint8), "m": lm.to(torch.uint8), "q": q}
 
 

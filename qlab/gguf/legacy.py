@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from qlab.gguf._ggml import div, f32, fp16, sqrtf, sum_from_zero
+from qlab.gguf._ggml import div, f32, first_max, first_min, fp16, sqrtf, sum_from_zero
 from qlab.gguf.search import make_qkx, make_qx_quants
 from qlab.quantize import quantize as qlab_quantize
 
@@ -111,22 +111,37 @@ def dequantize(name: str, f: dict) -> torch.Tensor:
 # --------------------------------------------------------------------------- encoding
 
 
+def _x86_codes_if_inverse_overflows(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Codes (N, 32) of the blocks whose fp32 d is nonzero but so small that id = 1 / d
+    overflows to inf (|d| < 1/FLT_MAX ~ 2.9e-39: for Q8_0 an absmax below ~3.7e-37). C then
+    converts x * id = +-inf (or 0 * inf = NaN) to an integer, which the C standard leaves
+    undefined; x86-64's conversion gives 0x80000000, whose low byte 0 is then every code of
+    the block, and gguf's numpy port gives the same bytes there. qlab writes those bytes.
+    Such a d rounds to fp16 0, so the block decodes to zeros whatever its codes; only the
+    sign of each zero (0 * (q - 8) = -0 for Q4_0's code 0) follows them."""
+    over = (d != 0) & torch.isinf(div(1.0, d))
+    return torch.where(over[:, None], torch.zeros_like(q), q)
+
+
 def _fields_from_qlab(name: str, rows: torch.Tensor) -> dict:
     """Q8_0 / Q4_0 / Q5_0 through qlab.quantize (one scheme row each in qlab/schemes.py)."""
     qt = qlab_quantize(rows, name.lower())
-    return {"d": qt.scales.reshape(-1), "q": qt.codes.reshape(-1, QK)}
+    blocks = rows.reshape(-1, QK)
+    d = blocks.abs().amax(dim=1) / {"Q8_0": 127.0, "Q4_0": 8.0, "Q5_0": 16.0}[name]  # |fp32 d|
+    q = _x86_codes_if_inverse_overflows(qt.codes.reshape(-1, QK), d)
+    return {"d": qt.scales.reshape(-1), "q": q}
 
 
 def _minmax_ref(blocks: torch.Tensor, nmax: int) -> dict:
     """quantize_row_q4_1_ref / q5_1_ref: d = (max - min) / nmax, id = 1 / d (0 if d = 0),
     q = (int)((x - min) * id + 0.5), clamped to nmax (ties round up; 0.5 is added in fp32).
     m = min, stored as fp16 with d."""
-    lo, hi = blocks.amin(dim=1), blocks.amax(dim=1)
+    lo, hi = first_min(blocks), first_max(blocks)  # signs of zeros: m, and d = (hi - lo) / n
     d = (hi - lo) / float(nmax)
     inv = torch.where(d == 0, torch.zeros_like(d), div(1.0, torch.where(d == 0, 1.0, d)))
     v = (blocks - lo[:, None]) * inv[:, None] + 0.5
-    q = torch.clamp(torch.trunc(v), 0, nmax).to(torch.uint8)
-    return {"d": fp16(d), "m": fp16(lo), "q": q}
+    q = _x86_codes_if_inverse_overflows(torch.clamp(torch.trunc(v), 0, nmax), d)
+    return {"d": fp16(d), "m": fp16(lo), "q": q.to(torch.uint8)}
 
 
 def _importance(rows: torch.Tensor, imatrix: torch.Tensor) -> torch.Tensor:
@@ -150,5 +165,5 @@ def quantize(name: str, rows: torch.Tensor, imatrix: torch.Tensor | None = None)
     if name in ("Q4_0", "Q5_0"):  # make_qx_quants(32, 8 or 16, x, L, 1, weights)
         d, L = make_qx_quants(blocks, (nmax + 1) // 2, w)
         return {"d": fp16(d), "q": L.to(torch.uint8)}
-    d, the_min, L = make_qkx(blocks, w, nmax, f32(-0.9), f32(0.05), 36, guarded=True)
+    d, the_min, L = make_qkx(blocks, w, nmax, f32(-0.9), f32(0.05), 36)
     return {"d": fp16(d), "m": fp16(-the_min), "q": L.to(torch.uint8)}

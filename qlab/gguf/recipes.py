@@ -12,6 +12,13 @@ by its role and layer. This follows llama_tensor_get_type in llama.cpp's src/lla
     Q4_K after; Q3_K_L -> Q5_K; Q4_K_S -> Q5_K for the first 4; Q4_K_M / Q5_K_M -> Q6_K on
     "more bits" layers. Values feed every later token directly; V is small in real
     models (grouped-query attention), so the extra bits cost little.
+    Version note: a fused attn_qkv counts as V in the llama.cpp vendored by
+    llama-cpp-python 0.3.36 (ggml-org/llama.cpp@0c1e57098): category_is_attn_v includes
+    ATTENTION_QKV, and its branch comes before the attn_qkv one, which is unreachable.
+    Older llama.cpp matched names ("attn_v.weight" only) and gave attn_qkv its own rule:
+    Q3_K_M / Q3_K_L -> Q4_K, Q4_K_M -> Q5_K, Q5_K_M -> Q6_K in every layer, Q4_K_S
+    unchanged. Under that rule TinyLM's Q4_K_M is not below Q4_K_S in any tensor; for
+    separate attn_v tensors the layer-count rules are the same in both versions.
   * FFN down (TinyLM's mlp.fc2): Q3_K_M -> Q5_K in the first n/16 layers, else Q4_K;
     Q3_K_L -> Q5_K; Q4_K_M / Q5_K_M -> Q6_K on "more bits" layers; Q4_K_S -> Q5_K in the
     first n/8. The down projection reads the wide, outlier-heavy MLP activations.
@@ -21,12 +28,15 @@ by its role and layer. This follows llama_tensor_get_type in llama.cpp's src/lla
   * not quantized: 1-D tensors (norms, biases), names not ending in "weight", norms, the
     position embedding. They stay F32.
   * fallback: a K-quant needs rows that are a multiple of 256 elements. Otherwise
-    Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (still blocks of 32, about the
-    same bits), and F16 when even 32 does not divide the row. TinyLM's rows are 192 wide
+    Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (blocks of 32, 0.5 to 2 bits
+    per weight more), and F16 when even 32 does not divide the row. TinyLM's rows are 192 wide
     (768 for mlp.fc2), so most of its tensors take a fallback type, as in llama.cpp.
 
-Layers are numbered from the name (blocks.N / blk.N / layer.N); llama.cpp counts tensors
-in file order, which is the same for models of fewer than 10 layers.
+Layers are numbered from the name (blocks.N / blk.N / layer.N). llama.cpp counts the
+attention-V and FFN-down tensors as it visits them, in the order of its weights_map, which
+weight_name_comparer (src/llama-model-loader.h) sorts by the numeric layer of "blk.N." and
+then by name: with one such tensor per layer the count is the layer index at any depth.
+(With --keep-split it visits the tensors in file order instead.)
 """
 
 from __future__ import annotations

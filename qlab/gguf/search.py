@@ -6,23 +6,33 @@ and sequential over the n elements where C accumulates (see _ggml.py for the ari
 They return (scale, L): the fp32 scale(s) and the integer codes L (int32, (N, n)).
 
     make_qx_quants   symmetric: L in [-nmax, nmax-1] (stored + nmax), scale fitted by
-                     weighted least squares over 18 trial scales -(nmax + 0.1 i) / max.
+                     weighted least squares over 19 trial scales -(nmax + 0.1 i) / max,
+                     i = 0 first, then i = -9..9 without 0 (C: for is = -9..9, is != 0).
                      Q6_K (weights x^2), Q3_K and the importance-matrix Q4_0 / Q5_0.
     make_q3_quants   symmetric with a few passes of per-element code refinement. Q3_K.
     make_qkx         asymmetric (scale and min), the best of nstep trial grids, each refitted
                      by weighted least squares. make_qkx2_quants (Q4_K, Q5_K) and
                      make_qkx3_quants (importance-matrix Q4_1, Q5_1, Q4_K, Q5_K).
-    make_qp_quants   positive values (the 8 sub-block scales or mins of a K-quant
+    make_qp_quants   non-negative values (the 8 sub-block scales or mins of a K-quant
                      super-block) onto 0..nmax with a weighted search: importance matrix only.
 
-All rounding is ggml's nearest_int (round half to even); codes are clamped as in C.
+All rounding is ggml's nearest_int (round half to even); codes are clamped as in C, and kept
+in C's integer types where that matters (make_qp_quants' uint8_t codes wrap).
 """
 
 from __future__ import annotations
 
 import torch
 
-from qlab.gguf._ggml import GROUP_MAX_EPS, div, f32, first_absmax, nearest_int, sum_from_zero
+from qlab.gguf._ggml import (
+    GROUP_MAX_EPS,
+    div,
+    f32,
+    first_absmax,
+    first_min,
+    nearest_int,
+    sum_from_zero,
+)
 
 
 def _weighted_sums(w: torch.Tensor, x: torch.Tensor, lf: torch.Tensor):
@@ -66,7 +76,10 @@ def _refine(x, w, L, sumlx, suml2, lo: int, hi: int, need_sl2: bool):
     """The per-element refinement passes shared by make_q3_quants and make_qp_quants: for
     each element in turn, try the code that is optimal with the others fixed and keep it when
     the weighted fit improves (sequential over elements, 5 passes; a pass that changes nothing
-    changes nothing again, so running all 5 equals C's early break)."""
+    changes nothing again, so running all 5 equals C's early break).
+
+    need_sl2=True is make_qp_quants, whose codes live in a uint8_t array: a code stored there
+    wraps (-1 is kept as 255) and the next pass reads the wrapped value back."""
     for _ in range(5):
         for i in range(x.shape[1]):
             xi, wi, li = x[:, i], w[:, i], L[:, i].to(torch.float32)
@@ -82,7 +95,7 @@ def _refine(x, w, L, sumlx, suml2, lo: int, hi: int, need_sl2: bool):
             take = ok & (new_l != L[:, i]) & gain
             if not need_sl2:
                 take &= sl22 > 0
-            L[:, i] = torch.where(take, new_l, L[:, i])
+            L[:, i] = torch.where(take, new_l & 0xFF if need_sl2 else new_l, L[:, i])
             sumlx = torch.where(take, slx2, sumlx)
             suml2 = torch.where(take, sl22, suml2)
     return L, sumlx, suml2
@@ -104,9 +117,8 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def make_qkx(
-    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
-    guarded: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """make_qkx2_quants / make_qkx3_quants (use_mad = false) with explicit weights.
 
     Fits x ~ scale * L + min with L in 0..nmax and min <= 0: first the min/max grid, then
@@ -114,10 +126,12 @@ def make_qkx(
     weighted least squares (the min is clamped to <= 0), keeping the lowest weighted squared
     error. As in C, min is updated whenever a better fit is found, and the later trials use
     it (in the grid and in max - min). Returns (scale (N,), the_min = -min >= 0 (N,), L).
-    guarded=True is make_qkx3_quants, which clips a trial value v to nmax before rounding and
-    maps v <= 0 (or NaN) to 0; qkx2 rounds first and clamps after. They agree on finite
-    values below 2^22; they can differ when a refitted min equals max (v = inf or NaN)."""
-    lo = torch.clamp(x.amin(dim=1), max=0.0)
+    The two C functions run the same search; they differ only in their defaults (qkx3 weighs
+    by x^2 when given no weights, which no caller here does) and in their exit test for a
+    flat group (max == min vs max <= min: the same, as max >= min). The scale can come out
+    negative (a weighted least-squares fit where few weights are nonzero)."""
+    lo = first_min(x)
+    lo = torch.where(lo > 0, torch.zeros_like(lo), lo)  # C: `if (min > 0) min = 0;` keeps -0.0
     hi = x.amax(dim=1)
     flat = hi == lo  # C: L = 0, the_min = -min, scale 0
     sum_w = w[:, 0].clone()
@@ -136,10 +150,7 @@ def make_qkx(
         grid = f32(f32(f32(rmin) + f32(f32(rdelta) * step)) + nmax)
         trial_iscale = div(grid, torch.where(flat, torch.ones_like(hi), hi - mn))
         v = trial_iscale[:, None] * (x - mn[:, None])
-        if guarded:
-            lv = torch.where(v > 0, nearest_int(torch.clamp(v, max=float(nmax))), 0)
-        else:
-            lv = torch.clamp(nearest_int(v), 0, nmax)
+        lv = torch.clamp(nearest_int(v), 0, nmax)
         lf = lv.to(torch.float32)
         sum_l = sum_from_zero(w * lf)
         sum_l2 = sum_from_zero((w * lf) * lf)
@@ -166,32 +177,39 @@ def make_qkx(
 def make_qp_quants(
     x: torch.Tensor, nmax: int, quant_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """make_qp_quants(n, nmax, x, L, quant_weights): non-negative x (sub-block scales or
-    mins) onto L in 0..nmax times one scale, weighted. Returns (scale (N,), L (N, n))."""
+    """make_qp_quants(n, nmax, x, L, quant_weights): x (sub-block scales or mins, meant to
+    be >= 0) onto L in 0..nmax times one scale, weighted. Returns (scale (N,), L (N, n)).
+
+    L is C's uint8_t array. A negative x (make_qkx3_quants can return a negative sub-block
+    scale) rounds to a negative code, which C stores wrapped (-1 -> 255); the first error
+    estimate and every refinement pass read that 255 back, while the trial loop and the
+    final sums use the unwrapped int. qlab does the same, so L can hold 255 (and the caller
+    decides what to store: Q4_K packs all 8 bits, Q5_K clamps to 63 first)."""
     mx = torch.clamp(x.amax(dim=1), min=0.0)
     zero = mx < GROUP_MAX_EPS
     m = torch.where(zero, torch.ones_like(mx), mx)
     w = quant_weights
 
-    def mse(iscale, clamp_top: bool):
+    def mse(iscale, first: bool):
         lv = nearest_int(iscale[:, None] * x)
-        if clamp_top:
-            lv = torch.clamp(lv, max=nmax)
+        # first: C's `L[i] = nearest_int(...)` into uint8_t, read back; trials: min(nmax, int)
+        lv = lv & 0xFF if first else torch.clamp(lv, max=nmax)
         d = x - div(1.0, iscale)[:, None] * lv.to(torch.float32)
         return sum_from_zero((w * d) * d)
 
     iscale = div(float(nmax), m)
-    best = mse(iscale, clamp_top=False)
+    best = mse(iscale, first=True)
     for i in range(-4, 5):
         if i == 0:
             continue
         trial = div(f32(f32(f32(0.1) * i) + nmax), m)
-        err = mse(trial, clamp_top=True)
+        err = mse(trial, first=False)
         better = err < best
         best = torch.where(better, err, best)
         iscale = torch.where(better, trial, iscale)
     L = torch.clamp(nearest_int(iscale[:, None] * x), max=nmax)
-    sumlx, suml2 = _weighted_sums(w, x, L.to(torch.float32))
+    sumlx, suml2 = _weighted_sums(w, x, L.to(torch.float32))  # the int codes
+    L = L & 0xFF  # stored into uint8_t: what the refinement reads back
     L, sumlx, suml2 = _refine(x, w, L, sumlx, suml2, -(2**31), nmax, need_sl2=True)
     scale = torch.where(suml2 > 0, sumlx / suml2, torch.zeros_like(suml2))
     return torch.where(zero, torch.zeros_like(scale), scale), torch.where(

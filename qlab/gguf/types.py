@@ -136,7 +136,16 @@ def quantize(x, ggml_type: str, imatrix=None) -> GGUFTensor:
     The last axis is GGUF's row; its length must be a multiple of the type's block (32, or
     256 for the K-quants). imatrix: optional (x.shape[-1],) importance of each column (mean
     squared input activation, as llama-imatrix collects it); it changes the rounding of
-    every type but F32/F16/Q8_0, as in llama.cpp. NaN/inf are refused."""
+    every type but F32/F16/Q8_0, as in llama.cpp.
+
+    Contract: NaN/inf are refused; every finite input gives the bytes llama.cpp's C
+    quantizer writes (tests/gguf/test_gguf_llamacpp.py fuzzes this), edge cases included.
+    So, as in llama.cpp, a block whose scale overflows fp16 (amax above ~65504 times the
+    largest code: ~8.3e6 for Q8_0, ~5e5 for Q4_0) stores an inf scale and decodes to
+    inf/NaN, and a K-quant super-block whose float32 sums overflow can store a NaN scale;
+    check .dequantize() when weights that large are possible. A K-quant sub-block whose
+    search alone overflows gets sub-scale 0 (llama.cpp skips NaN sub-scales), and a block
+    too small for 1 / d (amax < ~3.7e-37) gets codes 0 (qlab/gguf/legacy.py)."""
     t = get_type(ggml_type)
     x = as_float32(x)
     rows = _rows(x)

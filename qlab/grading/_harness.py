@@ -4,7 +4,8 @@ This file has two lives:
 - imported normally (``qlab.grading._harness``) by the learner-side ``check`` and by
   the grader, which use :func:`encode` / :func:`decode`;
 - its SOURCE TEXT is sent into a student's kernel by ``qlab grade`` and run there in
-  a private namespace (it must not import qlab: a student may have patched it).
+  a private namespace (it must not import qlab: a student may have patched it; only
+  :func:`install_watch` does, in the kernel's first cell, before any student code runs).
 
 Only plain data crosses the boundary: JSON whose leaves are ``None``, ``bool``,
 ``int``, ``str``, floats as ``float.hex`` strings, and tensors as
@@ -15,10 +16,13 @@ rebuilds tensors from bytes in its own process (:func:`decode` validates every f
 """
 
 import base64
+import contextlib
+import importlib
 import json
 import os
 import sys
 import traceback
+import types
 
 import numpy as np
 import torch
@@ -38,6 +42,9 @@ _DTYPES = {
 _TORCH_NAME = {v[0]: k for k, v in _DTYPES.items()}
 _NUMPY_NAME = {np.dtype(v[1]): k for k, v in _DTYPES.items()}
 _MAX_DEPTH = 8
+# the watch's state lives in a module of its own, so that every harness cell finds it
+_WATCH_MODULE = "__qlab_watch__"
+REGISTRY_LABEL = "qlab.grading.registry (a task's reference)"
 
 
 class WireError(ValueError):
@@ -134,25 +141,160 @@ def loads(text: str):
     return decode(json.loads(text))
 
 
+def _watch_state():
+    state = sys.modules.get(_WATCH_MODULE)
+    if state is None:
+        state = types.ModuleType(_WATCH_MODULE)
+        state.active, state.seen, state.wrapped = frozenset(), set(), {}
+        sys.modules[_WATCH_MODULE] = state
+    return state
+
+
+def _recording(fn, label, state):
+    """fn, but a call while ``label`` is active is noted (no __wrapped__ to unwrap)."""
+
+    def watched(*args, **kwargs):
+        if label in state.active:
+            state.seen.add(label)
+        return fn(*args, **kwargs)
+
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(watched, attr, getattr(fn, attr, None))
+    watched.__qlab_label__ = label
+    return watched
+
+
+def _resolve(dotted):
+    """(owner, attribute name, object) for a dotted name. Attributes first ("qlab.quantize"
+    is the function, not the module of that name), a submodule where a path goes on
+    ("qlab.ptq.awq.awq_scales": the module qlab.ptq.awq, not the function qlab.ptq.awq)."""
+    parts = dotted.split(".")
+    owner, obj = None, importlib.import_module(parts[0])
+    for i in range(1, len(parts)):
+        nxt = getattr(obj, parts[i], None)
+        last = i == len(parts) - 1
+        if nxt is None or not (last or isinstance(nxt, (types.ModuleType, type))):
+            nxt = importlib.import_module(".".join(parts[: i + 1]))
+        owner, obj = obj, nxt
+    return owner, parts[-1], obj
+
+
+def _rebind(original, wrapper, namespaces):
+    for ns in namespaces:
+        for key, value in list(ns.items()):
+            if value is original:
+                ns[key] = wrapper
+
+
+def install_watch(targets, user_ns=None):
+    """Make every call of the callables named in ``targets`` (dotted names) recordable.
+
+    Each is replaced by a recording wrapper wherever qlab's modules (and ``user_ns``) bind
+    it, a method on its class; the registry's task references are wrapped too (also those
+    registered later). Calls are recorded only inside :func:`watching`. Returns the names
+    that could not be found.
+    """
+    state, missing = _watch_state(), []
+    for dotted in targets:
+        try:
+            owner, name, obj = _resolve(dotted)
+        except (ImportError, AttributeError):
+            missing.append(dotted)
+            continue
+        if getattr(obj, "__qlab_label__", None) is None:
+            wrapper = _recording(obj, dotted, state)
+            wrapper.__qlab_original__ = obj
+            state.wrapped[dotted] = wrapper
+            if isinstance(owner, type):
+                setattr(owner, name, wrapper)
+            mods = [m for k, m in list(sys.modules.items()) if k.split(".")[0] == "qlab"]
+            _rebind(obj, wrapper, [vars(m) for m in mods if isinstance(m, types.ModuleType)])
+        if user_ns is not None:
+            wrapper = state.wrapped.get(dotted)
+            _rebind(getattr(wrapper, "__qlab_original__", None), wrapper, [user_ns])
+    _watch_registry(state)
+    return missing
+
+
+def _watch_registry(state):
+    registry = importlib.import_module("qlab.grading.registry")
+    if getattr(registry.register, "__qlab_label__", None):
+        return
+
+    def wrap(task):
+        if getattr(task.reference, "__qlab_label__", None) is None:
+            ref = _recording(task.reference, REGISTRY_LABEL, state)
+            object.__setattr__(task, "reference", ref)  # a frozen dataclass
+        return task
+
+    for task in list(registry._TASKS.values()):
+        wrap(task)
+    original = registry.register
+
+    def register(task):
+        return original(wrap(task))
+
+    register.__qlab_label__ = REGISTRY_LABEL
+    registry.register = register
+
+
+@contextlib.contextmanager
+def watching(labels):
+    """Record calls of the watched callables named in ``labels`` (and the registry's)."""
+    state = _watch_state()
+    state.active, state.seen = frozenset([*labels, REGISTRY_LABEL]), set()
+    try:
+        yield state
+    finally:
+        state.active = frozenset()
+
+
 def run_cases(fn, cases, guard=None, cell_names=False):
     """Call fn(*args) for each case; return one plain record per case.
 
     guard: a context manager factory entered around each call (e.g. the Triton
     out-of-bounds checker), or None. An error record names the line of the student's
-    code it came from (``Cell In[5], line 3`` with ``cell_names`` in IPython).
+    code it came from (``Cell In[5], line 3`` with ``cell_names`` in IPython). Inside
+    :func:`watching`, a record lists the references the call used (``borrowed``).
     """
     records = []
+    state = sys.modules.get(_WATCH_MODULE)
     for args in cases:
+        if state is not None:
+            state.seen = set()
+        before = [_bits(a) for a in args]
         try:
             if guard is None:
                 out = fn(*args)
             else:
                 with guard():
                     out = fn(*args)
+            changed = [i for i, a in enumerate(args) if _bits(a) != before[i]]
+            if changed:
+                records.append({"error": _changed_inputs(changed)})
+                continue
             records.append({"ok": encode(out)})
         except (Exception, SystemExit) as e:  # the student's error is the result
             records.append({"error": _describe(e)[:500] + where(e, cell_names)})
+        if state is not None and state.seen:
+            records[-1]["borrowed"] = sorted(state.seen)
     return records
+
+
+def _bits(a):
+    """(shape, dtype, raw bytes) of a tensor argument, to see whether a call changed it."""
+    if type(a) is not torch.Tensor:
+        return None
+    t = a.detach().cpu().contiguous().reshape(-1)
+    return (tuple(a.shape), str(a.dtype), t.view(torch.uint8).numpy().tobytes())
+
+
+def _changed_inputs(changed):
+    which = ", ".join(f"argument {i + 1}" for i in changed)
+    return (
+        f"InputModified: the function changed its input ({which}) in place; inputs are "
+        "read-only: work on a copy (e.g. h = h.clone())"
+    )
 
 
 def _describe(exc):
@@ -220,13 +362,14 @@ def _label(filename, lineno, cell_names):
     return f"{filename}, line {lineno}"
 
 
-def _kernel_main(user_ns, func_name, payload, result_path, limit, guard_src=None):
+def _kernel_main(user_ns, func_name, payload, result_path, limit, guard_src=None, watch=()):
     """Entry point inside the student's kernel (called by the grader's cell).
 
     Writes the result as one JSON document to ``result_path`` (not to stdout, which the
     student may have replaced): first to a temporary name, then renamed, so the grader
     never reads half a file. ``guard_src``: source of a self-contained module whose
-    ``checking()`` is entered around each call (None: no guard).
+    ``checking()`` is entered around each call (None: no guard). ``watch``: the task's
+    declared references (installed by the grader's first cell: :func:`install_watch`).
     """
     cases = [decode(c) for c in json.loads(base64.b64decode(payload))]
     guard = None
@@ -238,7 +381,8 @@ def _kernel_main(user_ns, func_name, payload, result_path, limit, guard_src=None
     if fn is None or not callable(fn):
         result = {"missing": f"no function named {func_name!r} is defined in the notebook"}
     else:
-        result = {"records": run_cases(fn, cases, guard)}
+        with watching(watch):
+            result = {"records": run_cases(fn, cases, guard)}
     text = json.dumps(result, separators=(",", ":"), allow_nan=False)
     if len(text) > limit:
         too_big = f"the result of {func_name} is larger than {limit // 2**20} MB"

@@ -4,7 +4,10 @@ Run as a script (``python _launch.py -f CONNECTION_FILE``) so it imports nothing
 qlab before the limits are in place. Limits come from the environment:
 QLAB_GRADER_MEM_BYTES (RLIMIT_AS: a 10 GB allocation fails with MemoryError instead of
 taking the machine) and QLAB_GRADER_CPU_S (RLIMIT_CPU, a backstop to the grader's own
-wall-clock limit). Core dumps are off and written files are capped at 256 MB.
+wall-clock limit), and QLAB_GRADER_NPROC (RLIMIT_NPROC: set in the bwrap sandbox only,
+whose user namespace counts just the sandbox's own processes; Linux does not apply it to
+root). Core dumps are off and written files are capped at 256 MB. The submission as a
+whole is held to its budget by the grader's supervisor (``budget.py``).
 """
 
 import os
@@ -27,6 +30,9 @@ def main() -> None:
     cpu = int(os.environ.get("QLAB_GRADER_CPU_S", "0"))
     if cpu > 0:
         _limit(resource.RLIMIT_CPU, cpu)
+    nproc = int(os.environ.get("QLAB_GRADER_NPROC", "0"))
+    if nproc > 0:
+        _limit(resource.RLIMIT_NPROC, nproc)
     _limit(resource.RLIMIT_CORE, 0)
     _limit(resource.RLIMIT_FSIZE, 256 * 2**20)
     from ipykernel import kernelapp

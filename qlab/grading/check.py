@@ -19,7 +19,15 @@ from typing import Callable
 
 from qlab.grading import _harness
 from qlab.grading.isolate import can_fork, run_in_child
-from qlab.grading.registry import Task, _clone, describe_args, evaluate, get_task, make_cases
+from qlab.grading.registry import (
+    Task,
+    _clone,
+    borrow_message,
+    describe_args,
+    evaluate,
+    get_task,
+    make_cases,
+)
 
 __all__ = ["check", "CheckFailed", "GRADER_ENV", "is_kernel_task", "kernel_guard"]
 
@@ -86,7 +94,9 @@ def check(
     failure, return the failing case's inputs instead of raising (``fn(*case)`` then
     replays it in the next cell). ``timeout``: seconds for a kernel task's child process.
     The values go through the same plain-data conversion as ``qlab grade``, so a return
-    value the grader would refuse is refused here too.
+    value the grader would refuse is refused here too. A function that calls the qlab
+    function the task asks you to write (``Task.implements``) or the grader's reference
+    fails, saying so.
     """
     __tracebackhide__ = True  # IPython and pytest: show the message, not check's frames
     if os.environ.get(GRADER_ENV):
@@ -98,13 +108,17 @@ def check(
     cases = make_cases(task, seed)
     if not callable(fn):
         raise CheckFailed(f"{grade_id}: pass your function itself, got {type(fn).__name__}")
-    records, crash = _run(task, fn, cases, timeout)
+    _harness.install_watch(task.implements, getattr(fn, "__globals__", None))
+    with _harness.watching(task.implements):
+        records, crash = _run(task, fn, cases, timeout)
     result = evaluate(task, cases, records) if crash is None else None
-    if result is not None and result.passed:
+    if result is not None and result.passed and not result.uses_reference:
         if not quiet:
             print(f"PASS {grade_id} ({task.points} pt): {result.feedback} (seed {seed})")
         return None
-    if crash is not None:
+    if result is not None and result.passed:
+        bad, msg = None, f"FAIL {grade_id}: {borrow_message(task, result.uses_reference)}"
+    elif crash is not None:
         bad = len(records)  # the case that was running when the child died
         label = f"case {bad + 1} of {len(cases)} {task.func_name}{describe_args(cases[bad])}"
         msg = f"FAIL {grade_id}: {label}: {crash_message(task, crash)} (seed {seed})"

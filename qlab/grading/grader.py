@@ -7,7 +7,9 @@ For each submission (in a worker process, ``--jobs`` in parallel: :mod:`.pool`):
 3. run its code cells in a fresh kernel, sandboxed with bwrap where that works
    (:mod:`.sandbox`), then call each task's function with those inputs and compare the
    plain data that comes back with qlab in this process (:mod:`.session`);
-4. write grades.json and grades.csv atomically (:mod:`.results`); a rerun resumes.
+4. write grades.json and grades.csv atomically (:mod:`.results`); a rerun resumes;
+5. flag byte-identical files (``duplicate``) and links (``symlink``: never followed), and
+   write similarity.csv: near-identical answers across the class (:mod:`.similarity`).
 ``--shard I/N`` grades one deterministic slice of the submissions (by a hash of each
 submission's key) into OUT/shard-I-of-N/; :func:`merge` combines the slices.
 """
@@ -17,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.util
+import os
 import secrets
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -40,6 +44,7 @@ from qlab.grading.registry import (
 )
 from qlab.grading.results import SubmissionRow
 from qlab.grading.session import GradeOptions, grade_in_kernels
+from qlab.grading.similarity import write_similarity
 
 __all__ = [
     "GradeOptions",
@@ -101,13 +106,20 @@ def grade_submission(path: str | Path, key: str, opts: GradeOptions) -> Submissi
     path, start, opts = Path(path), time.monotonic(), _isolation(opts)
     row = SubmissionRow(key, str(path), results.sha256_of(path), seed=opts.seed)
     row.isolation = opts.isolation
-    nb = _read(path, row.log)
+    link = path.is_symlink()
+    nb = None if link else _read(path, row.log)
     row.assignment, row.flags = assignment_of(nb, path, list(assignments()), opts.assignment)
+    if link:  # a link to another student's notebook or to a host file: never opened
+        row.flags.append(f"symlink: {key} is a symbolic link; not followed, 0 points")
     if row.assignment is None:
         row.log.append("could not tell which assignment this is: pass --assignment")
+        if link:
+            row.status = results.GRADED
         return row
     tasks = assignment_tasks(row.assignment)
-    if nb is None:
+    if link:
+        scores = {t.grade_id: _fail(t, "a symbolic link, not graded") for t in tasks}
+    elif nb is None:
         scores = {t.grade_id: _fail(t, "the notebook could not be read") for t in tasks}
     else:
         cases = {t.grade_id: make_cases(t, case_seed(opts.seed, key, t.grade_id)) for t in tasks}
@@ -128,16 +140,28 @@ def grade_submission(path: str | Path, key: str, opts: GradeOptions) -> Submissi
     return row
 
 
+def printable(name: str) -> str:
+    """A file name as text that any file and spreadsheet can hold: bytes that are not
+    UTF-8 (e.g. Windows archives unzipped on Linux) become ``\\xff``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 def submission_keys(paths: list[Path]) -> dict[str, Path]:
-    """file stem -> path; stems that collide get their parent folder as a prefix."""
-    stems: dict[str, int] = {}
-    for p in paths:
-        stems[p.stem] = stems.get(p.stem, 0) + 1
-    keys = {}
-    for p in paths:
-        key = p.stem if stems[p.stem] == 1 else f"{p.parent.name}/{p.stem}"
-        if key in keys:
-            raise ValueError(f"two submissions map to {key!r}: {keys[key]} and {p}")
+    """key -> path: the file stem, or as many parent folders as make it unique
+    (``a/x_01_affine``, ``b/a/x_01_affine``); any bytes, never a refusal."""
+    parts = {p: tuple(printable(x) for x in (*p.parent.parts, p.stem)) for p in paths}
+    depth = max((len(v) for v in parts.values()), default=0)
+    # count[n][suffix]: how many paths end in that suffix of n names
+    count = [Counter(v[-n:] for v in parts.values()) for n in range(depth + 1)]
+    keys: dict[str, Path] = {}
+    for p, names in parts.items():
+        n = 1
+        while n < len(names) and count[n][names[-n:]] > 1:
+            n += 1
+        key, i = "/".join(names[-n:]), 1
+        while key in keys:  # one path is a suffix of another: number the second
+            i += 1
+            key = f"{'/'.join(names[-n:])}#{i}"
         keys[key] = p
     return keys
 
@@ -189,10 +213,31 @@ def _dead_row(item: tuple[str, str, GradeOptions], why: str) -> SubmissionRow:
 
 
 def _collect(paths: list[str | Path]) -> list[Path]:
+    """The .ipynb files under the given folders (which may be links); links inside them
+    are not followed (a link to a notebook is listed, and graded as a link: see
+    grade_submission; a linked folder is not entered)."""
     files: list[Path] = []
     for p in map(Path, paths):
-        files.extend(sorted(p.rglob("*.ipynb")) if p.is_dir() else [p])
+        if not p.is_dir():
+            files.append(p)
+            continue
+        for root, dirs, names in os.walk(p, followlinks=False):
+            dirs.sort()
+            files.extend(Path(root, n) for n in sorted(names) if n.endswith(".ipynb"))
     return files
+
+
+def _flag_duplicates(rows: dict[str, SubmissionRow], hashes: dict[str, str]) -> None:
+    """Flag submissions whose files are byte for byte the same (``duplicate: ...``)."""
+    same: dict[str, list[str]] = {}
+    for key, digest in hashes.items():
+        if digest:
+            same.setdefault(digest, []).append(key)
+    for key, row in rows.items():
+        row.flags = [f for f in row.flags if not f.startswith("duplicate:")]
+        others = [k for k in same.get(hashes.get(key, ""), []) if k != key]
+        if others:
+            row.flags.append(f"duplicate: the same file as {', '.join(sorted(others)[:10])}")
 
 
 def _prepare(opts: GradeOptions, paths, out: Path, header: dict) -> GradeOptions:
@@ -223,12 +268,14 @@ def grade_many(
     out.mkdir(parents=True, exist_ok=True)
     if importlib.util.find_spec("ipykernel") is None:
         raise RuntimeError(f"ipykernel is not installed for {sys.executable}: pip install it")
-    keys = {k: p for k, p in submission_keys(_collect(paths)).items() if _in_shard(k, shard)}
+    everyone = submission_keys(_collect(paths))
+    hashes = {k: results.sha256_of(p) for k, p in everyone.items()}  # across shards
+    keys = {k: p for k, p in everyone.items() if _in_shard(k, shard)}
     header, rows = results.load_results(out)
     todo = [
         (str(p), k)
         for k, p in keys.items()
-        if results.needs_grading(rows.get(k), results.sha256_of(p), opts.assignment)
+        if results.needs_grading(rows.get(k), hashes[k], opts.assignment)
     ]
     if todo:  # the sandbox probe starts a Python with torch: only when there is work
         opts = _prepare(opts, paths, top, header)
@@ -245,6 +292,7 @@ def grade_many(
 
     def save(item, row: SubmissionRow) -> None:
         rows[row.submission] = row
+        _flag_duplicates(rows, hashes)
         results.write_results(out, rows, header, order)
         bar.update(1)
 
@@ -253,7 +301,9 @@ def grade_many(
         run_pool([(p, k, opts) for p, k in todo], jobs, _worker, save, _dead_row, deadline)
     finally:
         bar.close()
+    _flag_duplicates(rows, hashes)
     results.write_results(out, rows, header, order)
+    write_similarity(out, everyone, list(assignments()), opts.assignment)  # the whole class
     return rows
 
 

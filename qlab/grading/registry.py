@@ -68,9 +68,9 @@ def compare_values(
 ) -> str | None:
     """None when ``got`` matches ``expected``, else a hint naming the first bad element.
 
-    Tensors: same shape; integer references need an integer tensor; floats match when
-    |got - expected| <= atol + rtol * |expected| (0, 0: bit-exact values; NaN matches NaN;
-    with ``signed_zero`` -0.0 and +0.0 differ). Tuples match element by element.
+    Tensors: same shape and dtype (a Python number may stand for a 0-d tensor); floats
+    match when |got - expected| <= atol + rtol * |expected| (0, 0: bit-exact values; NaN
+    matches NaN; with ``signed_zero`` -0.0 and +0.0 differ). Tuples match element by element.
     ``explain`` adds what the spec computes at the first bad element; without it, the
     input with the output's shape is shown at that index (fine for elementwise tasks).
     """
@@ -110,7 +110,8 @@ def _compare_number(expected, got, args, path, *, rtol, atol, signed_zero, expla
 
 
 def _compare_tensor(expected, got, args, path, *, rtol, atol, signed_zero, explain):
-    if type(got) in (int, float, bool) and expected.ndim == 0:
+    number = type(got) in (int, float, bool) and expected.ndim == 0  # any dtype: a number
+    if number:
         got = torch.tensor(got)
     if not isinstance(got, torch.Tensor):
         return f"{path}: expected a tensor of shape {tuple(expected.shape)}, got {_kind(got)}"
@@ -124,6 +125,11 @@ def _compare_tensor(expected, got, args, path, *, rtol, atol, signed_zero, expla
         return (
             f"{path}: expected an integer tensor (like {expected.dtype}), got {got.dtype}; "
             "round, then cast with .to(...)"
+        )
+    if got.dtype != expected.dtype and not number:  # the spec names every output's dtype
+        return (
+            f"{path}: expected dtype {str(expected.dtype).removeprefix('torch.')}, got "
+            f"{str(got.dtype).removeprefix('torch.')}; convert with .to(...)"
         )
     if integer_ref:
         bad = expected.to(torch.int64) != got.to(torch.int64)
@@ -237,6 +243,10 @@ class Task:
                 the kernel starts), e.g. {"TRITON_INTERPRET": "1"} for Triton exercises
                 (which also marks a kernel task: its calls run under tasks/_bounds.py's
                 out-of-bounds checker and, in ``check``, in a child process).
+    implements: the qlab callables this task asks the learner to write, as dotted names
+                ("qlab.quantize", "qlab.formats.minifloat.Minifloat.encode"). While the
+                learner's function runs (``check`` and ``qlab grade``), calls to them and
+                to the registry's references are recorded (``TaskResult.uses_reference``).
     """
 
     grade_id: str
@@ -248,6 +258,7 @@ class Task:
     compare: Comparator = field(default_factory=exact)
     signature: str = ""
     kernel_env: dict[str, str] = field(default_factory=dict)
+    implements: tuple[str, ...] = ()
 
 
 _TASKS: dict[str, Task] = {}
@@ -269,7 +280,8 @@ def tasks_for(assignment: str, **defaults: Any) -> Callable[..., Callable]:
         def _sym_cases(g): ...
 
     registers Task(grade_id, func_name, assignment=assignment, cases=<the function>, ...).
-    ``defaults`` (e.g. kernel_env) apply to every task of the module."""
+    ``defaults`` (e.g. kernel_env) apply to every task of the module. Declare next to the
+    spec what the learner writes: ``implements=("qlab.quantize",)`` (see Task)."""
 
     def task(grade_id: str, func_name: str, **fields: Any) -> Callable:
         def decorate(cases: Callable[[torch.Generator], list[Case]]) -> Callable:
@@ -338,6 +350,9 @@ class TaskResult:
     feedback: str
     n_cases: int = 0
     failed_case: int | None = None  # index of the case that failed (None: passed, or no case)
+    # the task's declared qlab functions / the registry's references that the learner's
+    # function called while it was graded (_harness.watching)
+    uses_reference: list[str] = field(default_factory=list)
 
 
 def describe_args(args: Case) -> str:
@@ -350,13 +365,46 @@ def describe_args(args: Case) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def borrowed_in(records: list | None) -> list[str]:
+    """The references the records say the learner's function called (sorted, validated)."""
+    names = set()
+    for rec in records if type(records) is list else []:
+        got = rec.get("borrowed") if type(rec) is dict else None
+        if type(got) is list:
+            names.update(n[:200] for n in got if type(n) is str)
+    return sorted(names)[:20]
+
+
+def borrow_message(task: Task, names: list[str]) -> str:
+    """What the learner and the instructor read when a function calls a reference."""
+    shown = ", ".join(
+        "the grader's own reference for a task" if n == _harness.REGISTRY_LABEL else n
+        for n in names
+    )
+    return (
+        f"{task.func_name} passes only because it calls {shown}; "
+        "the exercise asks you to write it"
+    )
+
+
 def evaluate(
-    task: Task, cases: list[Case], records: list[dict] | None, missing: str | None = None
+    task: Task,
+    cases: list[Case],
+    records: list[dict] | None,
+    missing: str | None = None,
+    forbid_reference: bool = False,
 ) -> TaskResult:
-    """Score one task from the plain records its function produced (grader process)."""
+    """Score one task from the plain records its function produced (grader process).
+
+    ``forbid_reference``: a function that called a reference (see Task.implements) scores 0
+    with the reason; otherwise the call is only recorded in ``uses_reference``.
+    """
+    borrowed = borrowed_in(records)
 
     def fail(msg: str, case: int | None = None) -> TaskResult:
-        return TaskResult(task.grade_id, 0, task.points, False, msg, len(cases), case)
+        result = TaskResult(task.grade_id, 0, task.points, False, msg, len(cases), case)
+        result.uses_reference = borrowed
+        return result
 
     if missing is not None:
         return fail(missing)
@@ -370,8 +418,8 @@ def evaluate(
             return fail(f"{label} raised {str(rec['error'])[:600]}", i)
         try:
             got = _harness.decode(rec.get("ok"))
-        except (_harness.WireError, ValueError, TypeError) as e:
-            return fail(f"{label}: could not read the result ({e})", i)
+        except Exception as e:  # noqa: BLE001 - e.g. OverflowError from "0x1p99999": this task's
+            return fail(f"{label}: could not read the result ({type(e).__name__}: {e})", i)
         expected = task.reference(*_clone(args))  # a failing reference is a task bug: raise
         try:
             hint = task.compare(expected, got, args)
@@ -379,8 +427,13 @@ def evaluate(
             hint = f"could not compare the result ({type(e).__name__}: {e})"
         if hint:
             return fail(f"{label}: {hint}", i)
+    if borrowed and forbid_reference:
+        return fail(f"0 points (--forbid-reference): {borrow_message(task, borrowed)}")
+    passed = f"passed {len(cases)} cases"
+    if borrowed:
+        passed += f"; {borrow_message(task, borrowed)}"
     return TaskResult(
-        task.grade_id, task.points, task.points, True, f"passed {len(cases)} cases", len(cases)
+        task.grade_id, task.points, task.points, True, passed, len(cases), None, borrowed
     )
 
 

@@ -2,7 +2,10 @@
 
 ``OUT/grades.json`` = ``{"seed", "isolation", "shard", "submissions": {key: row}}`` and
 ``OUT/grades.csv`` (one line per row: submission, assignment, status, one column per
-task, total, max, isolation, flags). Both are rewritten (temp file + ``os.replace``)
+task, total, max, isolation, flags, uses_reference: the tasks whose function called a
+reference). A text cell that a spreadsheet would read as a formula (it begins with
+``=``, ``+``, ``-``, ``@``, a tab or a carriage return) is written with a leading ``'``.
+Both are rewritten (temp file + ``os.replace``)
 after every submission, so an interrupted run loses nothing and a rerun resumes: a row
 whose status is final and whose file is unchanged (same SHA-256) is not graded again.
 """
@@ -61,7 +64,10 @@ class SubmissionRow:
 
 
 def sha256_of(path: Path) -> str:
+    """The file's SHA-256; a symbolic link's is that of its target's NAME (never followed)."""
     try:
+        if Path(path).is_symlink():
+            return hashlib.sha256(b"symlink:" + os.fsencode(os.readlink(path))).hexdigest()
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return ""
@@ -86,8 +92,15 @@ def needs_grading(row: SubmissionRow | None, sha256: str, assignment: str | None
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8", errors="backslashreplace")  # any file name
     os.replace(tmp, path)
+
+
+def cell(value):
+    """A CSV cell no spreadsheet runs as a formula (OWASP's CSV injection advice)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
 
 
 def _csv(rows: dict[str, SubmissionRow], task_order: list[str]) -> str:
@@ -95,12 +108,15 @@ def _csv(rows: dict[str, SubmissionRow], task_order: list[str]) -> str:
     cols = [g for g in task_order if g in used] + sorted(used - set(task_order))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["submission", "assignment", "status", *cols, "total", "max", "isolation", "flags"])
+    head = ["submission", "assignment", "status", *cols, "total", "max", "isolation", "flags"]
+    w.writerow([*head, "uses_reference"])
     for key in sorted(rows):
         r = rows[key]
         scores = [r.tasks[g]["score"] if g in r.tasks else "" for g in cols]
         flags = "; ".join(f.split(":", 1)[0] for f in r.flags)  # the codes; details in JSON
-        w.writerow([key, r.assignment or "", r.status, *scores, r.total, r.max, r.isolation, flags])
+        borrowed = " ".join(g for g in cols if r.tasks.get(g, {}).get("uses_reference"))
+        line = [key, r.assignment or "", r.status, *scores, r.total, r.max, r.isolation, flags]
+        w.writerow([cell(v) for v in [*line, borrowed]])
     return buf.getvalue()
 
 

@@ -8,8 +8,10 @@ Two levels, recorded in every row of grades.json and grades.csv (``isolation``):
   no network (the kernel talks to the grader over Unix sockets in a folder the sandbox
   shares: jupyter_client's ``ipc`` transport), no capabilities, a clean environment,
   and a file system that holds only the operating system (/usr, /etc without its
-  secrets), the Python installation and the folders on ``sys.path``, all read-only,
-  plus two private writable folders (its working directory and its socket folder).
+  secrets), the Python installation, its site-packages and the installed qlab package
+  (never the working directory or another ``sys.path`` entry), all read-only,
+  plus two private writable folders (its working directory, a tmpfs of the submission's
+  disk quota, and its socket folder).
   The submissions and output folders, /tmp, /run and the home directories are not
   visible. When the submission is done the sandbox's init process is killed, and with
   it every process the notebook started (``--die-with-parent``, ``--unshare-pid``).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -76,12 +79,18 @@ class Isolation:
 
 
 def python_roots() -> list[str]:
-    """Folders the kernel's Python needs: its installation and every import root."""
+    """Folders the kernel's Python needs: its installation, its site-packages and the
+    installed qlab (an editable install maps it into a checkout: only its package folders).
+    Never ``sys.path`` as such: started from a checkout, or with PYTHONPATH pointing at
+    one, that would hold the working directory (solutions/, .git)."""
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     roots.add(str(Path(sys.executable).resolve().parent.parent))
-    roots.update(p for p in sys.path if p and os.path.exists(p))
+    roots.update(p for p in site.getsitepackages() if os.path.isdir(p))
+    user_site = site.getusersitepackages()
+    if site.ENABLE_USER_SITE and os.path.isdir(user_site):
+        roots.add(user_site)
     libs = os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
-    roots.update(p for p in libs if p and os.path.isdir(p))
+    roots.update(p for p in libs if os.path.isabs(p) and os.path.isdir(p))
     for name in ("qlab", "qlab.kernels"):  # editable installs map packages anywhere
         spec = importlib.util.find_spec(name)
         if spec is not None:
@@ -127,10 +136,19 @@ def hidden_paths_ok(hide: list[str]) -> str | None:
     return None
 
 
-def bwrap_argv(rw: list[str], hide: list[str], env: dict[str, str], chdir: str) -> list[str]:
+def bwrap_argv(
+    rw: list[str],
+    hide: list[str],
+    env: dict[str, str],
+    chdir: str,
+    scratch: dict[str, int] | None = None,
+) -> list[str]:
     """The bwrap command line (up to ``--``) for one kernel.
 
     rw:   host folders the kernel may write (mounted at the same path);
+    scratch: folder -> bytes: a private tmpfs of that size at that path (the kernel's
+          working folder: its disk quota; nothing of it reaches the host's disk), with
+          an empty ``tmp`` folder in it;
     hide: files and folders it must not see (submissions, output), even where they lie
           inside a folder it needs (e.g. a submissions folder inside the course repo);
     env:  the kernel's whole environment (plus PATH, LANG, ... from this process).
@@ -158,6 +176,9 @@ def bwrap_argv(rw: list[str], hide: list[str], env: dict[str, str], chdir: str) 
             args += ["--ro-bind", "/dev/null", h]
     for p in map(os.path.realpath, rw):
         args += ["--bind", p, p]
+    for p, size in (scratch or {}).items():
+        p = os.path.realpath(p)
+        args += ["--size", str(int(size)), "--tmpfs", p, "--dir", os.path.join(p, "tmp")]
     for p in [*ro_again, "/dev", "/"]:  # tmpfs mounts would let a kernel fill the RAM
         args += ["--remount-ro", p]
     return [*args, "--chdir", os.path.realpath(chdir)]

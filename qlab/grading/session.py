@@ -4,8 +4,11 @@ Steps (:func:`grade_in_kernels`):
 1. start a kernel (:func:`_kernel`): through ``_launch.py`` (rlimits), inside a bwrap
    sandbox when the isolation level is ``"bwrap"`` (:mod:`qlab.grading.sandbox`), talking
    to this process over Unix sockets in a private folder (jupyter_client's ``ipc``
-   transport: no network needed);
-2. run the notebook's code cells (:func:`_run_notebook_cells`), keeping no outputs; a
+   transport: no network needed); a supervisor (:mod:`qlab.grading.budget`) holds all of
+   the submission's processes to its memory, process and disk budget;
+2. run a cell that wraps the qlab functions the tasks ask the learner to write and the
+   registry's references (``_harness.install_watch``: calls are recorded per task), then
+   the notebook's code cells (:func:`_run_notebook_cells`), keeping no outputs; a
    cell that times out or kills the kernel is dropped and the kernel restarted;
 3. run the tasks one by one (:func:`_call_task`): a cell sends the inputs this process
    drew, the harness calls the student's function and writes plain data to a result file
@@ -37,7 +40,9 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
+from qlab._tensor import thread_env
 from qlab.grading import _harness
+from qlab.grading.budget import Budget, Supervisor
 from qlab.grading.check import GRADER_ENV, crash_message, is_kernel_task, kernel_guard
 from qlab.grading.registry import Task, TaskResult, evaluate
 from qlab.grading.sandbox import BWRAP, bwrap_argv
@@ -60,7 +65,9 @@ _QUIET.propagate = False
 class GradeOptions:
     timeout: float = 30.0  # seconds per cell (notebook cells and each task call)
     wall: float = 300.0  # seconds per submission, everything included
-    mem_mb: int = 4096  # address-space limit of the kernel
+    mem_mb: int = 4096  # memory of the submission's processes together (and of each one)
+    procs: int = 256  # processes and threads of the submission together
+    disk_mb: int = 1024  # bytes the submission may write (its private tmpfs with bwrap)
     seed: int = 0  # run seed; inputs = f(seed, submission, task)
     assignment: str | None = None  # force the assignment (else file name / metadata)
     startup_timeout: float = 60.0
@@ -68,6 +75,7 @@ class GradeOptions:
     sandbox: str = "auto"  # "auto" (bwrap if it works), "on" (bwrap or stop), "off"
     isolation: str = ""  # the level in use ("bwrap" or "none"), set by the grader
     hide: tuple[str, ...] = ()  # paths the kernels must not see (submissions, output)
+    forbid_reference: bool = False  # a task whose function calls a reference scores 0
 
 
 class _Client(NotebookClient):
@@ -92,6 +100,11 @@ class _Progress:
     bad_cells: set[int] = field(default_factory=set)
     results: dict[str, TaskResult] = field(default_factory=dict)
     starts: int = 0
+    supervisor: Supervisor | None = None
+
+    def over_budget(self) -> str | None:
+        """Why the budget supervisor killed the kernel just now, or None."""
+        return self.supervisor.take_reason() if self.supervisor is not None else None
 
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -107,8 +120,8 @@ def kernel_env(opts: GradeOptions, work: Path, tasks: list[Task]) -> dict[str, s
         "QLAB_GRADER_MEM_BYTES": str(int(opts.mem_mb) * 2**20),
         "QLAB_GRADER_CPU_S": str(int(opts.wall) + 30),
         GRADER_ENV: "1",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
+        # one torch thread, waiting passively: --jobs kernels share the cores (qlab/_tensor.py)
+        **thread_env(1),
         "PYTHONHASHSEED": "0",
         "MPLBACKEND": "Agg",
         "HOME": str(work),
@@ -119,6 +132,7 @@ def kernel_env(opts: GradeOptions, work: Path, tasks: list[Task]) -> dict[str, s
         "MPLCONFIGDIR": str(work / ".config" / "matplotlib"),
         "TRITON_CACHE_DIR": str(work / ".triton"),
         "PYTHONUSERBASE": site.getuserbase(),  # HOME moved: keep finding user packages
+        **({"QLAB_GRADER_NPROC": str(int(opts.procs))} if opts.isolation == BWRAP else {}),
         **{k: v for t in tasks for k, v in t.kernel_env.items()},
         **opts.env,
     }
@@ -129,7 +143,8 @@ def _write_spec(base: Path, n: int, chan: Path, opts: GradeOptions, env: dict) -
     argv = [sys.executable, _LAUNCHER, "-f", "{connection_file}", "--HistoryManager.enabled=False"]
     if opts.isolation == BWRAP:
         work = env["HOME"]
-        argv = [*bwrap_argv([work, str(chan)], list(opts.hide), env, work), "--", *argv]
+        quota = {work: int(opts.disk_mb) * 2**20}
+        argv = [*bwrap_argv([str(chan)], list(opts.hide), env, work, quota), "--", *argv]
     root = base / f"spec{n}"
     (root / _KERNEL_NAME).mkdir(parents=True)
     spec = {
@@ -200,7 +215,9 @@ async def _run_notebook_cells(client: _Client, run: _Progress, timeout: float) -
         except CellTimeoutError:
             run.log.append(f"notebook code cell {i + 1} timed out; skipped")
         except DeadKernelError:
-            run.log.append(f"notebook code cell {i + 1} killed the kernel; skipped")
+            why = run.over_budget()
+            note = f" (over its budget: {why})" if why else ""
+            run.log.append(f"notebook code cell {i + 1} killed the kernel{note}; skipped")
         else:
             continue
         run.bad_cells.add(i)
@@ -218,7 +235,19 @@ def _harness_cell(task: Task, cases: list, result_path: str) -> str:
         "exec(compile(" + repr(_HARNESS_SRC) + ", '<qlab grader>', 'exec'), "
         "__qlab_ns := {'__name__': '__qlab_grader__'})\n"
         f"__qlab_ns['_kernel_main'](globals(), {task.func_name!r}, {payload!r}, "
-        f"{result_path!r}, {RESULT_LIMIT}, {guard_src!r})\n"
+        f"{result_path!r}, {RESULT_LIMIT}, {guard_src!r}, {task.implements!r})\n"
+        "del __qlab_ns\n"
+    )
+
+
+def _watch_cell(tasks: list[Task]) -> str:
+    """The first cell of every kernel: wrap the references the tasks could borrow
+    (before the notebook's cells run, so that its imports bind the wrappers)."""
+    targets = sorted({name for t in tasks for name in t.implements})
+    return (
+        "exec(compile(" + repr(_HARNESS_SRC) + ", '<qlab grader>', 'exec'), "
+        "__qlab_ns := {'__name__': '__qlab_grader__'})\n"
+        f"__qlab_ns['install_watch']({targets!r}, globals())\n"
         "del __qlab_ns\n"
     )
 
@@ -257,9 +286,13 @@ async def _call_task(client, chan: Path, chan_fd: int, task: Task, run: _Progres
         how = f"did not finish within {client.timeout} s"
         return _fail(task, crash_message(task, how)), True
     except DeadKernelError:
+        why = run.over_budget()
+        if why:
+            msg = f"{task.func_name}: the submission went over its budget ({why}); killed"
+            return _fail(task, msg), True
         return _fail(task, _death_message(task, _exit_note(client))), True
     records, missing = read_result(chan_fd, name, RESULT_LIMIT)
-    return evaluate(task, cases, records, missing), False
+    return evaluate(task, cases, records, missing, opts.forbid_reference), False
 
 
 async def _run_tasks(client, chan: Path, chan_fd: int, run: _Progress, opts) -> None:
@@ -285,9 +318,29 @@ async def grade_in_kernels(
     work = base / "work"
     (work / "tmp").mkdir(parents=True, exist_ok=True)
     env = kernel_env(opts, work, tasks)
+    budget = Budget(int(opts.mem_mb) * 2**20, int(opts.procs), int(opts.disk_mb) * 2**20)
+    with Supervisor(budget, base) as run.supervisor:
+        await _grade_loop(run, opts, base, env, tasks)
+    log.append(f"peak memory of its processes together: {run.supervisor.peak_mem // 2**20} MB")
+    for task in run.remaining:
+        run.results[task.grade_id] = _fail(
+            task, f"not graded: the submission hit its wall-clock limit ({opts.wall:g}s)"
+        )
+    return run.results
+
+
+async def _grade_loop(run: _Progress, opts: GradeOptions, base: Path, env: dict, tasks) -> None:
+    """Start kernels until every task has a result or the wall clock runs out."""
+    log = run.log
     while run.remaining and run.seconds_left() > 0:
         try:
             async with _kernel(opts, base, env, run) as (client, chan, chan_fd):
+                try:
+                    await _run_cell(client, _watch_cell(tasks), run, opts.startup_timeout)
+                except (CellTimeoutError, DeadKernelError):
+                    if run.seconds_left() <= 1:
+                        return  # the wall clock ran out: the tasks left say so
+                    raise
                 if await _run_notebook_cells(client, run, opts.timeout):
                     await _run_tasks(client, chan, chan_fd, run, opts)
         except Exception as e:  # noqa: BLE001 - the kernel failed to start or to talk
@@ -295,11 +348,6 @@ async def grade_in_kernels(
             for task in run.remaining:
                 run.results[task.grade_id] = _fail(task, f"the kernel could not run: {e}")
             run.remaining = []
-    for task in run.remaining:
-        run.results[task.grade_id] = _fail(
-            task, f"not graded: the submission hit its wall-clock limit ({opts.wall:g}s)"
-        )
-    return run.results
 
 
 def read_result(dir_fd: int, name: str, limit: int) -> tuple[list | None, str | None]:

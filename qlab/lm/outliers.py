@@ -7,8 +7,14 @@
 
 Each linear y = x W^T + b becomes a ``QuantLinear`` that runs, in this order:
 
-    x / s              SmoothQuant: s = smooth_scales(act_absmax, max_j |W[:, j]|, alpha);
-                       W <- W * s (offline; act_absmax from calibration data)
+    x / s              SmoothQuant, as the reference code (smoothquant/smooth.py) applies it:
+                       only to the layers that read a LayerNorm output (q, k, v and fc1),
+                       with ONE s per LayerNorm, shared by the layers that read it:
+                       s = smooth_scales(act_absmax, max over those layers of
+                       max_j |W[:, j]|, alpha); W <- W * s (offline; act_absmax from
+                       calibration data). The attention output projection and fc2 are not
+                       smoothed (their inputs come from attention and GELU, which no
+                       LayerNorm can absorb 1/s into).
     x Q                rotation, online: Q = hadamard(K) (applied with fwht) or
                        random_rotation(K); W <- W Q (offline). x W^T = (x Q)(W Q)^T.
     x_hat              activations fake-quantized, dynamically (scales from the input itself):
@@ -29,7 +35,7 @@ All quantization goes through qlab.fake_quantize; each method is the qlab.ptq fu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -50,7 +56,37 @@ __all__ = [
     "model_bits",
     "rotation_ops",
     "rotation_overhead",
+    "input_groups",
+    "SMOOTHED",
 ]
+
+# The layers SmoothQuant's reference smooths (those that read a LayerNorm output), by the end
+# of their name -> the name of the input they share (one s per shared input).
+SMOOTHED = {
+    "attention.self.query": "attention.self",  # MiniLM (BERT): q, k, v read one LayerNorm
+    "attention.self.key": "attention.self",
+    "attention.self.value": "attention.self",
+    "intermediate.dense": "intermediate.dense",  # MiniLM fc1
+    "attn.qkv": "attn.qkv",  # TinyLM: q, k, v are one fused linear
+    "mlp.fc1": "mlp.fc1",
+}
+
+
+def _shared_input(name: str) -> str:
+    """The name of the input a linear reads: q, k and v of one attention share one."""
+    for end, shared in SMOOTHED.items():
+        if name.endswith(end):
+            return name[: len(name) - len(end)] + shared
+    return name
+
+
+def input_groups(names) -> dict[str, list[str]]:
+    """{input name: [the linear layers that read it]}: MiniLM's query, key and value of one
+    layer read the same LayerNorm output; every other linear has an input of its own."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(_shared_input(n), []).append(n)
+    return groups
 
 
 @dataclass(frozen=True)
@@ -86,7 +122,11 @@ class QuantLinear(nn.Module):
     ``outliers_seen``: bool (K,), the input channels LLM.int8() has sent to 16 bit so far."""
 
     def __init__(self, linear: nn.Linear, recipe: Recipe,
-                 act_absmax: torch.Tensor | None = None) -> None:
+                 act_absmax: torch.Tensor | None = None,
+                 smooth_weight_absmax: torch.Tensor | None = None) -> None:
+        """smooth_weight_absmax: (K,) the weight statistic of SmoothQuant's s; default this
+        layer's own max |W[:, j]|; quantize_model passes the max over the layers that share
+        the input (q, k, v), so they share one s."""
         super().__init__()
         self.recipe = recipe
         w = linear.weight.detach().float().clone()  # shape: (N, K)
@@ -96,7 +136,8 @@ class QuantLinear(nn.Module):
             if act_absmax is None:
                 raise ValueError("SmoothQuant needs calibration statistics: pass act_absmax "
                                  "(max |x| per input channel, e.g. minilm.input_absmax)")
-            self.smooth = smooth_scales(act_absmax, weight_absmax(w), recipe.smooth_alpha)
+            w_absmax = weight_absmax(w) if smooth_weight_absmax is None else smooth_weight_absmax
+            self.smooth = smooth_scales(act_absmax, w_absmax, recipe.smooth_alpha)
             w = w * self.smooth
         self.rotation = None
         if recipe.rotation == "hadamard":
@@ -151,15 +192,29 @@ def quantize_model(model: nn.Module, recipe: Recipe,
                    act_absmax: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """A copy of ``model`` (MiniLM or TinyLM: anything with ``linear_layers()``) with every
     linear layer replaced by a QuantLinear(recipe); act_absmax: {name: (K,)} calibration
-    maxima of each layer's input (needed for SmoothQuant)."""
+    maxima of each layer's input (needed for SmoothQuant).
+
+    With ``recipe.smooth_alpha``, SmoothQuant smooths only the layers in SMOOTHED (those
+    that read a LayerNorm output), with one s per shared input (q, k, v: the weight
+    statistic is the max over the three), as the reference code does; the other layers get
+    the recipe without smoothing."""
     layers = model.linear_layers()
     stats = act_absmax or {}
     missing = [n for n in layers if n not in stats]
     if act_absmax is not None and missing:
         raise KeyError(f"act_absmax has no statistics for {missing[:3]} ...; compute them on "
                        "this model (minilm.input_absmax / quality.input_absmax)")
-    return swap_linears(model, {n: QuantLinear(lin, recipe, stats.get(n))
-                                for n, lin in layers.items()})
+    plain = replace(recipe, smooth_alpha=None)
+    swapped = {}
+    for group in input_groups(layers).values():
+        smoothed = recipe.smooth_alpha is not None and any(
+            group[0].endswith(end) for end in SMOOTHED)
+        w_absmax = (torch.stack([weight_absmax(layers[n].weight.detach().float())
+                                 for n in group]).amax(0) if smoothed else None)
+        for n in group:  # the layers of a group read one input: its statistics are group[0]'s
+            swapped[n] = QuantLinear(layers[n], recipe if smoothed else plain,
+                                     stats.get(group[0]), w_absmax)
+    return swap_linears(model, swapped)
 
 
 # --------------------------------------------------------------------------- what it costs
@@ -214,7 +269,9 @@ def rotation_ops(k: int, rotation: str) -> int:
 
 def rotation_overhead(model: nn.Module, rotation: str) -> float:
     """Extra operations of rotating every linear layer's input online, as a fraction of the
-    layers' own multiply-adds (K * N per token each)."""
-    layers = model.linear_layers().values()
-    extra = sum(rotation_ops(lin.in_features, rotation) for lin in layers)
-    return extra / sum(lin.in_features * lin.out_features for lin in layers)
+    layers' own multiply-adds (K * N per token each). An input read by several layers (q, k
+    and v) is rotated once (``input_groups``)."""
+    layers = model.linear_layers()
+    extra = sum(rotation_ops(layers[group[0]].in_features, rotation)
+                for group in input_groups(layers).values())
+    return extra / sum(lin.in_features * lin.out_features for lin in layers.values())

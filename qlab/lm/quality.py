@@ -386,21 +386,25 @@ def kv_entry_errors(model: TinyLM, windows: torch.Tensor, scheme,
 
 
 @torch.no_grad()
-def move_scale_into_layernorm(model: TinyLM, channel: int, factor: float) -> TinyLM:
+def move_scale_into_layernorm(model: TinyLM, channel: int, factor: float,
+                              bias: bool = True) -> TinyLM:
     """Copy with an activation outlier in ``channel`` and (in exact arithmetic) the same function.
 
     In every block, LayerNorm gain and bias of ``channel`` are multiplied by ``factor`` and
     the matching input column of the next linear (attn.qkv after ln1, mlp.fc1 after ln2) is
-    divided by it: ``(g * f) * x_hat @ (W / f)`` is unchanged, but the linear's INPUT now has
-    one channel ``factor`` times larger. Large LayerNorm gains are where the outlier channels
-    of big LLMs come from (Wei et al. 2022, "Outlier Suppression"); SmoothQuant (Xiao et al.
-    2023) is this same move run backwards, to shrink outliers before quantizing.
+    divided by it: ``(f * (g * x_hat + b)) @ (W / f)`` is unchanged, but the linear's INPUT
+    now has one channel ``factor`` times larger. The bias must be scaled too: with
+    ``bias=False`` only the gain is, and the function changes (TinyLM's LayerNorms have
+    biases). Wei et al. 2022 ("Outlier Suppression") find that LayerNorm gains amplify the
+    outlier channels of big LLMs; SmoothQuant (Xiao et al. 2023) is this same move run
+    backwards, to shrink outliers before quantizing.
     """
     q = copy.deepcopy(model)
     for block in q.blocks:
         for ln, lin in ((block.ln1, block.attn.qkv), (block.ln2, block.mlp.fc1)):
             ln.weight[channel] *= factor
-            ln.bias[channel] *= factor
+            if bias:
+                ln.bias[channel] *= factor
             lin.weight[:, channel] /= factor
     return q
 

@@ -35,7 +35,8 @@ from torch import nn
 from qlab.lm.data import CORPUS_PATH
 from qlab.lm.quality import bootstrap_mean_ci
 
-__all__ = ["all_pairs", "RetrievalTask", "RetrievalResult", "calibration_texts"]
+__all__ = ["all_pairs", "RetrievalTask", "RetrievalResult", "calibration_texts", "score",
+           "from_hits"]
 
 MIN_QUERY_CHARS = 25  # shorter first sentences ("See above.") say too little to match
 MIN_DOC_CHARS = 60
@@ -149,18 +150,34 @@ def score(emb: torch.Tensor, n: int,
     (2N, d), the cosine alone)."""
     sims = emb[:n] @ emb[n:].T  # shape: (N, N), cosine: rows are unit vectors
     hits = sims.argmax(dim=1) == torch.arange(n)
-    res = RetrievalResult(float(hits.double().mean()), bootstrap_mean_ci(hits, n_boot),
-                          hits, emb)
+    cos = None
     if reference is not None:
         ref_emb = reference if isinstance(reference, torch.Tensor) else reference.embeddings
         if ref_emb.shape != emb.shape:
             raise ValueError(f"reference embeddings {tuple(ref_emb.shape)} must match "
                              f"{tuple(emb.shape)}: evaluate the same task")
-        if isinstance(reference, RetrievalResult):
-            diff = hits.double() - reference.hits.double()  # shape: (N,), -1 / 0 / +1
-            res.recall_change = float(diff.mean())
-            res.recall_change_ci = bootstrap_mean_ci(diff, n_boot)
         cos = (emb.double() * ref_emb.double()).sum(dim=1)  # shape: (2N,)
+    ref_hits = reference.hits if isinstance(reference, RetrievalResult) else None
+    return from_hits(hits, cos, ref_hits, n_boot, emb)
+
+
+def from_hits(hits: torch.Tensor, cosines: torch.Tensor | None = None,
+              reference_hits: torch.Tensor | None = None, n_boot: int = 1000,
+              embeddings: torch.Tensor | None = None) -> RetrievalResult:
+    """A RetrievalResult from what ``score`` measures per text: hits, bool (N,), query i found
+    document i; cosines (2N,) of each embedding to the reference's; reference_hits (N,) of
+    the reference model, for the paired recall change. Used for shipped results
+    (qlab.lm.ch12_results), which keep these instead of the embeddings."""
+    hits = torch.as_tensor(hits, dtype=torch.bool)
+    emb = torch.empty(0) if embeddings is None else embeddings
+    res = RetrievalResult(float(hits.double().mean()), bootstrap_mean_ci(hits, n_boot),
+                          hits, emb)
+    if reference_hits is not None:
+        diff = hits.double() - torch.as_tensor(reference_hits).double()  # (N,) -1 / 0 / +1
+        res.recall_change = float(diff.mean())
+        res.recall_change_ci = bootstrap_mean_ci(diff, n_boot)
+    if cosines is not None:
+        cos = torch.as_tensor(cosines, dtype=torch.float64)
         res.cosine, res.cosine_min = float(cos.mean()), float(cos.min())
         res.cosine_ci = bootstrap_mean_ci(cos, n_boot)
     return res

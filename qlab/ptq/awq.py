@@ -16,9 +16,13 @@ awq/quantize/auto_scale.py ``_search_module_scale``), whose conventions this fol
     alpha in {0, 1/n_grid, ..., (n_grid - 1)/n_grid}   (20 points, 1.0 excluded)
     objective: mean((x W^T - x (Q(W * s) / s)^T)^2), the first smallest alpha wins
 
-alpha = 0 gives s = 1 exactly, i.e. RTN, so the result is never worse than RTN on the
-calibration objective. The optional clipping search (auto_clip.py) is ``awq_clip``, a
-separate step applied to the scaled weight before it is quantized.
+One difference: qlab scores one linear layer's output with its own s; the reference searches
+one s for all the linears that read the same input (q, k and v) and scores the output of the
+block they feed (module2inspect: the whole attention for q, k and v). alpha = 0 gives s = 1
+exactly, i.e. RTN, so the result is never worse than RTN on the calibration objective (on
+other data, or on the model's output, it can be). The optional clipping search
+(auto_clip.py) is ``awq_clip``, a separate step applied to the scaled weight before it is
+quantized.
 """
 
 from __future__ import annotations
@@ -122,8 +126,14 @@ def awq_clip(weight, x_calib, scheme="int4", group_size: int = 128, n_grid: int 
     clip the weights to +-m * absmax, m in {1, 1 - 1/n_grid, ..., > 1 - max_shrink}, keeping
     the m with the smallest error of that group's partial outputs x_g @ w_g^T on n_tokens
     evenly spaced samples. Returns the clipped weight (N, K), float32, to be quantized
-    next (apply it to W * s after the scale search). A smaller range rounds the bulk of the
-    weights more finely at the price of the clipped few."""
+    next. A smaller range rounds the bulk of the weights more finely at the price of the
+    clipped few.
+
+    After the scale search, pass the scaled pair: weight = W * s and x_calib = x / s (each
+    column j of x divided by s_j), so that x_g @ w_g^T are the layer's true partial outputs.
+    The reference does the same: llm-awq's apply_scale divides the cached input features by
+    s ("prepare it for clipping") before auto_clip runs. Passing the unscaled x with W * s
+    scores the clip on the wrong outputs."""
     w = _work(weight, "weight").float()
     g = _check_group(group_size, w.shape[1])
     x = _work(x_calib, "x_calib").float().reshape(-1, w.shape[1])

@@ -8,9 +8,14 @@ Sequential, as in the reference GPTQ's ``--true-sequential`` mode: the layers ar
 the order the forward pass meets them, and each one is calibrated on the inputs it
 receives in the model whose EARLIER layers are already quantized, so it also corrects
 for the error those layers pass on. (llm-awq searches its scales on the float model
-instead; here all three methods see the same inputs so that only the rounding differs. AWQ
-searches one scale vector per linear; llm-awq shares one among the linears that read the
-same input, such as q, k and v, because one LayerNorm can hold only one.)
+instead; here all three methods see the same inputs so that only the rounding differs.)
+
+"awq" here is AWQ's scale search only (qlab.ptq.awq.awq), not the whole method of llm-awq:
+one scale vector per linear, scored on that linear's output (llm-awq shares one among the
+linears that read the same input, such as q, k and v, because one LayerNorm can hold only
+one, and scores it on the output of the block they feed); no clipping search afterwards
+(llm-awq runs auto_clip, qlab's ``awq_clip``); qlab's symmetric integer grids (llm-awq's
+default has a zero point per group).
 
 Calibration text comes from the TRAIN split only (``calibration_windows``); the
 evaluation windows of ``qlab.lm.quality`` come from the validation split.

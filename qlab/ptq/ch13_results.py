@@ -2,14 +2,16 @@
 
     python -m qlab.ptq.ch13_results            # ~10 min on 2 cores; rewrites both files
 
-Sixteen sequential calibrations (RTN, AWQ, GPTQ, GPTQ + act_order at int4 and int3, on
-TinyLM and on MiniLM) and their evaluations take minutes, over notebook 13's 90 s budget,
-so they are shipped like TinyLM's checkpoint:
+Twenty-one sequential calibrations (RTN, AWQ's scale search, GPTQ, GPTQ + act_order at int4
+and int3, on TinyLM and on MiniLM, and five calibration-set sizes of GPTQ int3 on TinyLM) and
+their evaluations take minutes, over notebook 13's 60 s budget, so they are shipped like
+TinyLM's checkpoint:
 
     ch13_results.json          the tables: TinyLM perplexity / KL / flip rate and MiniLM
                                retrieval / embedding cosine, with 95 % bootstrap intervals,
                                relative layer errors, calibration seconds; a calibration-
-                               set-size sweep
+                               set-size sweep; MiniLM's per-query hits (float32's and each
+                               row's) and the paired recall change they give
     tinylm_gptq_int4_g64.pt    the GPTQ int4 g64 TinyLM as packed codes + fp16 scales: the
                                weights notebook 13 runs through the W4A16 Triton kernel
 
@@ -44,6 +46,11 @@ MINILM = {"group_size": 128, "calib_texts": 64, "eval_pairs": 128}
 
 def _ci(pair) -> list[float]:
     return [float(pair[0]), float(pair[1])]
+
+
+def _bits(hits: torch.Tensor) -> str:
+    """Per-query hits as a string of 0 / 1 (query i found its document)."""
+    return "".join("1" if h else "0" for h in hits.tolist())
 
 
 def tinylm_row(base, ref, windows, method: str, act_order: bool, scheme: str,
@@ -92,15 +99,17 @@ def minilm_results() -> dict:
         for method, act in VARIANTS:
             r = C.quantize_model(base, method, scheme, MINILM["group_size"], inputs=inputs,
                                  act_order=act, progress=False)
-            e = task.evaluate(r.model, ref.embeddings)
+            e = task.evaluate(r.model, ref)
             rows.append({"method": method, "act_order": act, "scheme": scheme,
                          "recall": e.recall_at_1, "recall_ci": _ci(e.recall_ci),
+                         "hits": _bits(e.hits), "recall_change": e.recall_change,
+                         "recall_change_ci": _ci(e.recall_change_ci),
                          "cosine": e.cosine, "cosine_ci": _ci(e.cosine_ci),
                          "rel_error_mean": sum(r.rel_errors.values()) / len(r.rel_errors),
                          "seconds": r.seconds})
             print(f"MiniLM {method}{'+act' if act else ''} {scheme}: {e.row()}")
     return {**MINILM, "recall_ref": ref.recall_at_1, "recall_ref_ci": _ci(ref.recall_ci),
-            "rows": rows}
+            "hits_ref": _bits(ref.hits), "rows": rows}
 
 
 def save_gptq_weights(qtensors: dict[str, QTensor], path: Path = GPTQ_WEIGHTS) -> None:

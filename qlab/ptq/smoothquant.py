@@ -18,7 +18,10 @@ gain and bias, so it costs nothing at run time.
 
 Zero channels (qlab's convention): where max|X_j| = 0 or max|W_j| = 0 the channel adds
 nothing to the product, and the formula would give 0, inf or NaN; s_j = 1 there (leave the
-channel alone). The paper's code clamps both statistics to >= 1e-5 instead.
+channel alone). The paper's code (mit-han-lab/smoothquant, smooth.py `smooth_ln_fcs`)
+instead clamps the weight statistic max|W_j| (the largest over the linears that share the
+LayerNorm) to >= 1e-5, and then the final s_j to >= 1e-5; the activation statistic is not
+clamped.
 """
 
 from __future__ import annotations

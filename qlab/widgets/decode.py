@@ -38,15 +38,18 @@ def decode_summary(
     """Serving arithmetic of one configuration, from qlab.cost.
 
     Quantized weights (weight_bits < 16) carry, per group of ``group_size``, a 16-bit
-    scale and a zero point of ``weight_bits`` bits (the GPTQ/AWQ layout): 4-bit g128
-    is 4 + 16/128 + 4/128 = 4.156 bits/weight. 16-bit weights carry nothing.
+    scale and a zero point of ``weight_bits`` bits (GPTQ checkpoints store one per group
+    even for a symmetric grid; AWQ's are asymmetric): 4-bit g128 is 4 + 16/128 + 4/128 =
+    4.156 bits/weight. 16-bit weights carry nothing.
     The weights are split over the fewest devices that hold them (tensor parallel),
     so the bandwidth and the memory of all of them add up.
 
     Returns a dict of plain numbers: bits_per_weight, weight_bytes, n_devices,
-    tokens_per_s (batch-1 ceiling), tokens_per_s_per_device, memory_left_bytes,
-    kv_bytes_per_token, kv_bytes_per_sequence, concurrent_sequences, plus the
-    names and inputs.
+    tokens_per_s (batch-1 ceiling, weights only), tokens_per_s_per_device,
+    memory_left_bytes, kv_bytes_per_token, kv_bytes_per_sequence, concurrent_sequences,
+    tokens_per_s_each_full and tokens_per_s_total_full (every one of the concurrent
+    sequences decoding at full context: each step reads the weights and all their KV
+    caches; None when none fits), plus the names and inputs.
     """
     m = cost.MODELS[model] if isinstance(model, str) else model
     d = cost.DEVICES[device] if isinstance(device, str) else device
@@ -65,6 +68,11 @@ def decode_summary(
     seqs = cost.max_concurrent_sequences(
         m, bpw, d, context_len, kv_bits=kv_bits, n_devices=n_devices, reserve_bytes=reserve
     )
+    each_full = None
+    if seqs:
+        each_full = cost.decode_ceiling_per_sequence(
+            w_bytes, kv_token * context_len, seqs, n_devices * d.bandwidth_bytes_per_s
+        )
     return {
         "model": m.name,
         "device": d.name,
@@ -83,6 +91,8 @@ def decode_summary(
         "kv_bytes_per_token": kv_token,
         "kv_bytes_per_sequence": kv_token * context_len,
         "concurrent_sequences": seqs,
+        "tokens_per_s_each_full": each_full,
+        "tokens_per_s_total_full": None if each_full is None else each_full * seqs,
     }
 
 
@@ -129,6 +139,12 @@ def summary_html(s: dict) -> str:
         ),
         ("concurrent sequences", f"<b>{s['concurrent_sequences']}</b>"),
     ]
+    if s["tokens_per_s_each_full"] is not None:
+        rows.append((
+            "all of them decoding",
+            f"{s['tokens_per_s_each_full']:.1f} tokens/s each, "
+            f"<b>{s['tokens_per_s_total_full']:.0f} tokens/s</b> in total",
+        ))
     body = "".join(f"<tr><td style='padding-right:1em'>{k}</td><td>{v}</td></tr>" for k, v in rows)
     title = f"<b>{s['model']}</b>, {s['weight_bits']}-bit weights{g}, on {dev}"
     return f"<div>{title}<table>{body}</table>{_bar(s)}</div>"

@@ -1,22 +1,26 @@
-"""Make tests/gguf/data/llamacpp_reference.npz: llama.cpp's own quantizer output on fixed
-inputs, the oracle for qlab's K-quant and importance-matrix encoders (gguf's Python package
-has numpy encoders for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 only).
+"""llama.cpp's own quantizer (ggml-quants.c), compiled here, as the oracle for qlab's K-quant
+and importance-matrix encoders (gguf's Python package has numpy encoders for Q8_0, Q4_0,
+Q4_1, Q5_0 and Q5_1 only).
 
-A developer tool, not run by the tests (it needs a C compiler and a package download):
+`library()` builds it once and caches it in .cache/llamacpp/ (git-ignored): the
+llama-cpp-python source distribution from PyPI (llama.cpp vendored; `pip download`, the only
+download), of which only ggml/src/ggml-quants.c and the headers it includes are unpacked,
+compiled as a release build (-O2 -DNDEBUG) with -ffp-contract=off (strict IEEE float: no
+fused multiply-add, the arithmetic qlab reproduces) plus a four-function stub written here.
+It needs gcc and about 5 s of CPU. test_gguf_llamacpp.py runs it on fuzzed rows; the
+committed data/llamacpp_reference.npz (fixed rows, for machines without a compiler) is
+regenerated with
 
     python tests/gguf/make_llamacpp_reference.py [--sdist llama_cpp_python-X.tar.gz]
-
-It takes ggml/src/ggml-quants.c from the llama-cpp-python source distribution on PyPI
-(llama.cpp vendored), compiles it as a release build (-O2 -DNDEBUG) with -ffp-contract=off
-(strict IEEE float: no fused multiply-add, the arithmetic qlab reproduces) plus a
-four-function stub written here, and
-calls quantize_q4_0 ... quantize_q6_K through ctypes, with and without an imatrix.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -26,7 +30,13 @@ from pathlib import Path
 import numpy as np
 
 OUT = Path(__file__).parent / "data" / "llamacpp_reference.npz"
-SDIST = "llama-cpp-python==0.3.36"
+VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp (ggml-quants.c)
+SDIST = f"llama-cpp-python=={VERSION}"
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "llamacpp"  # git-ignored
+CFLAGS = ["-O2", "-DNDEBUG", "-ffp-contract=off", "-fPIC", "-shared"]
+# the only files of the 76 MB sdist the build reads: ggml-quants.c and its headers
+NEEDED = ("ggml/src/ggml-quants.c", "ggml/src/ggml-quants.h", "ggml/src/ggml-common.h",
+          "ggml/src/ggml-impl.h", "ggml/src/ggml-cpu/ggml-cpu-impl.h", "ggml/include/")
 # name: (ggml type id, block, bytes per block)
 TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
          "Q8_0": (8, 32, 34), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
@@ -67,20 +77,53 @@ def inputs(seed: int = 20260515) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), imatrix
 
 
-def build(sdist: Path, work: Path) -> ctypes.CDLL:
+def build(sdist: Path, work: Path) -> Path:
+    """Unpack ggml-quants.c and its headers from the sdist into work, compile -> the .so."""
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/ggml/" in m.name]
+        members = [m for m in tar.getmembers() if m.isfile()
+                   and any(f"/vendor/llama.cpp/{n}" in m.name for n in NEEDED)]  # fmt: skip
         tar.extractall(work, members=members, filter="data")
     ggml = next(work.glob("*/vendor/llama.cpp/ggml"))
     (work / "stub.c").write_text(STUB)
     lib = work / "libggml_quants.so"
     subprocess.run(
-        ["gcc", "-O2", "-DNDEBUG", "-ffp-contract=off", "-fPIC", "-shared",
-         str(ggml / "src/ggml-quants.c"), str(work / "stub.c"), f"-I{ggml / 'include'}",
-         f"-I{ggml / 'src'}", f"-I{ggml / 'src/ggml-cpu'}", "-lm", "-o", str(lib)],
-        check=True,
+        ["gcc", *CFLAGS, str(ggml / "src/ggml-quants.c"), str(work / "stub.c"),
+         f"-I{ggml / 'include'}", f"-I{ggml / 'src'}", f"-I{ggml / 'src/ggml-cpu'}", "-lm",
+         "-o", str(lib)],
+        check=True, capture_output=True, text=True,
     )  # fmt: skip
-    return ctypes.CDLL(str(lib))
+    return lib
+
+
+def download_sdist(dest: Path) -> Path:
+    """The llama-cpp-python sdist, from PyPI through pip (kept in dest for the next run)."""
+    found = sorted(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
+    if found:
+        return found[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", SDIST, "--no-deps",
+                    "--no-binary", ":all:", "-d", str(dest)],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    return next(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
+
+
+def library(cache: Path = CACHE) -> ctypes.CDLL:
+    """llama.cpp's quantizers as a ctypes library, built once into cache (keyed by the
+    version, the flags and the stub, so a change rebuilds). Raises CalledProcessError (with
+    gcc's or pip's output) or OSError when it cannot be built."""
+    key = hashlib.sha256(" ".join([VERSION, *CFLAGS, STUB]).encode()).hexdigest()[:12]
+    so = cache / f"libggml_quants-{VERSION}-{key}.so"
+    if not so.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                built = build(download_sdist(cache), Path(tmp))
+            except subprocess.CalledProcessError as e:
+                cmd = " ".join(map(str, e.cmd[:3]))
+                raise RuntimeError(f"{cmd} ... failed:\n{e.stdout}{e.stderr}") from e
+            partial = so.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(built, partial)
+            os.replace(partial, so)  # atomic: a parallel run sees the whole file or none
+    return ctypes.CDLL(str(so))
 
 
 def run(lib: ctypes.CDLL, x: np.ndarray, name: str, imatrix: np.ndarray | None) -> np.ndarray:
@@ -99,19 +142,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sdist", type=Path, help="a llama_cpp_python-*.tar.gz already downloaded")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        sdist = args.sdist
-        if sdist is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", SDIST, "--no-deps",
-                            "--no-binary", ":all:", "-d", str(work)], check=True)  # fmt: skip
-            sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
-        lib = build(sdist, work)
-        x, imatrix = inputs()
-        arrays = {"x": x, "imatrix": imatrix, "source": np.array(sdist.name)}
-        for name in TYPES:
-            arrays[name] = run(lib, x, name, None)
-            arrays[name + "_imatrix"] = run(lib, x, name, imatrix)
+    if args.sdist is None:
+        lib, source = library(), f"llama_cpp_python-{VERSION}.tar.gz"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            so = Path(tmp) / "lib.so"
+            shutil.copyfile(build(args.sdist, Path(tmp)), so)
+            lib, source = ctypes.CDLL(str(so)), args.sdist.name
+    x, imatrix = inputs()
+    arrays = {"x": x, "imatrix": imatrix, "source": np.array(source)}
+    for name in TYPES:
+        arrays[name] = run(lib, x, name, None)
+        arrays[name + "_imatrix"] = run(lib, x, name, imatrix)
     np.savez_compressed(OUT, **arrays)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes) from {arrays['source']}")
 

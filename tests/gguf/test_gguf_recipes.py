@@ -36,6 +36,21 @@ def test_q4_k_m_on_a_llama_layout():
     assert t["blk.0.attn_norm.weight"] == "F32"
 
 
+def test_layer_order_does_not_matter_past_ten_layers():
+    """llama.cpp visits tensors sorted by numeric layer (weight_name_comparer), so its V and
+    FFN-down counts equal the layer index at any depth; the types must not depend on the
+    order of `shapes`, e.g. a string sort that puts blk.10 before blk.2."""
+    numeric = llama_like(n_layer=12, d=256, ff=512)
+    by_string = dict(sorted(numeric.items()))
+    assert list(by_string)[:4] != list(numeric)[:4]  # the two orders do differ
+    for recipe in ("Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M"):
+        t = G.recipe_types(by_string, recipe)
+        assert t == G.recipe_types(numeric, recipe)
+    # 12 layers: n/8 = 1, 7n/8 = 10; more bits at 0, 3, 6, 9 (i - 1) % 3 == 2, 10, 11
+    t = G.recipe_types(by_string, "Q4_K_M")
+    assert [i for i in range(12) if t[f"blk.{i}.attn_v.weight"] == "Q6_K"] == [0, 3, 6, 9, 10, 11]
+
+
 def test_s_m_l_differ_where_llama_cpp_says():
     s = G.recipe_types(llama_like(), "Q3_K_S")
     m = G.recipe_types(llama_like(), "Q3_K_M")

@@ -114,6 +114,17 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ),
         ("S4 multiply by the reciprocal 1 / s", [(SYM_ROUND, "torch.round(x * (1 / s))")]),
         (
+            "S6 absmax rounded to float16 before the division",
+            [
+                (
+                    "(x.abs().max() / qmax).to(torch.float16)",
+                    "(x.abs().max().half().float() / qmax).to(torch.float16)",
+                )
+            ],
+        ),
+        ("S7 codes returned as int64", [(".to(torch.int8)", ".to(torch.int64)")]),
+        ("S7 scale returned as float32", [("return codes, scale", "return codes, scale.float()")]),
+        (
             "S2 scale stored as bfloat16",
             [
                 (
@@ -132,6 +143,7 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             "A7 codes from the unrounded float32 scale",
             [(CODES, CODES.replace("x / s", "x / ((hi - lo) / qmax)"))],
         ),
+        ("A8 multiply by the reciprocal 1 / s", [(CODES, CODES.replace("x / s", "x * (1 / s)"))]),
         (
             "A4 zero point rounded half up",
             [(Z, Z.replace("torch.round(-lo / s)", "torch.floor(-lo / s + 0.5)"))],
@@ -153,6 +165,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ),
     ],
     "affine_dequantize": [
+        (
+            "D3 float64 output",
+            [(DEQ, "return scale.double() * (codes.double() - zero_point.double())")],
+        ),
         (
             "D2 product in float16",
             [(DEQ, "return (scale * (codes.float() - zero_point.float()).half()).float()")],

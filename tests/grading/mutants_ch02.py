@@ -70,6 +70,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "group_quantize": [
         ("G5 round half up", [(ROUND, "torch.floor(blocks / s[..., None] + 0.5)")]),
         (
+            "G7 codes returned as int64",
+            [(", -qmax, qmax).to(torch.int8)", ", -qmax, qmax).long()")],
+        ),
+        (
             "G3 codes from the unrounded float32 scales",
             [("    s = scales.float()\n", "    s = blocks.abs().amax(dim=-1) / qmax\n")],
         ),
@@ -77,6 +81,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         (
             "G2 scales stored as bfloat16",
             [("/ qmax).to(torch.float16)", "/ qmax).to(torch.bfloat16)")],
+        ),
+        (
+            "G6 absmax rounded to float16 before the division",
+            [("blocks.abs().amax(dim=-1) / qmax)",
+              "blocks.abs().amax(dim=-1).half().float() / qmax)")],
         ),
     ],
     "bits_per_weight": [

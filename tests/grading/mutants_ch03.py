@@ -44,6 +44,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             ],
         ),
         ("L3 descending", [(".sort().values", ".sort(descending=True).values")]),
+        (
+            "L5 returned as float64",
+            [("(levels / levels.max()).to(torch.float32)", "levels / levels.max()")],
+        ),
     ],
     "nf4_quantize": [
         (
@@ -57,6 +61,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             ],
         ),
         ("N4 midpoint ties take the upper code", [("right=False", "right=True")]),
+        (
+            "N6 codes returned as int64 (bucketize's dtype)",
+            [(CODES, CODES.replace(".to(torch.uint8)", ""))],
+        ),
         (
             "N3 divide by absmax instead of multiplying by fp32(1 / absmax)",
             [

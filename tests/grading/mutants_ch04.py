@@ -53,6 +53,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "e4m3_decode": [
         ("F3 only 0x7F is NaN (0xFF decodes to -480)", [("(c & 0x7F) == 0x7F", "c == 0x7F")]),
         ("F1 exponent bias 8", [("torch.exp2(e.float() - 7)", "torch.exp2(e.float() - 8)")]),
+        (
+            "F5 values returned as float64",
+            [('torch.tensor(float("nan")), v)', 'torch.tensor(float("nan")), v).double()')],
+        ),
     ],
     "e4m3_encode": [
         (
@@ -64,6 +68,7 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             [(f"(hi - mag < mag - lo) | {TIE}", "hi - mag <= mag - lo")],
         ),
         ("C5 sign from x < 0: -0.0 becomes 0x00", [("torch.signbit(x)", "(x < 0)")]),
+        ("C6 codes returned as int64", [("return code.to(torch.uint8)", "return code")]),
         ("C2 ties toward zero", [(TIE, "((hi - mag == mag - lo) & (i < 0))")]),
         ("C1 rounds up to the next value", [("(hi - mag < mag - lo)", "(mag > lo)")]),
         ("C3 subnormal ties go up", [(TIE, "((hi - mag == mag - lo) & ((i % 2 == 0) | (i < 8)))")]),

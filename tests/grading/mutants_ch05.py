@@ -160,6 +160,13 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             ],
         ),
         (
+            "M4 +0 (code 0) for a negative element that rounds to zero",
+            [("return FP4.encode(blocks).reshape(rows, k), scales",
+              "codes = FP4.encode(blocks)\n"
+              "    codes = torch.where(codes == 8, torch.zeros_like(codes), codes)\n"
+              "    return codes.reshape(rows, k), scales")],
+        ),
+        (
             "M2 E2M1 ties go up",
             [
                 (
@@ -172,6 +179,7 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     ],
     "nvfp4_quantize": [
         ("V1 ts = (amax / 6) / 448", [(NV_TS, "ts = x.abs().max() / 6.0 / 448.0")]),
+        ("V1 ts = amax * (1 / 2688)", [(NV_TS, "ts = x.abs().max() * (1 / (6.0 * 448.0))")]),
         ("V2 bs_hp = block_amax / (6 ts)", [(NV_HP, "blocks.abs().amax(dim=-1) / (6.0 * ts)")]),
         ("V2 bs_hp = (block_amax / ts) / 6", [(NV_HP, "(blocks.abs().amax(dim=-1) / ts) / 6.0")]),
         (
@@ -179,6 +187,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             [(NV_CODES, "codes = FP4.encode(blocks / ts / bs[..., None])")],
         ),
         ("V3 E4M3 block scale ties go up", [("bs = FP8.decode(FP8.encode(bs_hp))", E4M3_UP)]),
+        (
+            "V8 +0 (code 0) for a negative element that rounds to zero",
+            [(NV_CODES,
+              NV_CODES + "\n    codes = torch.where(codes == 8, torch.zeros_like(codes), codes)")],
+        ),
         (
             "V4 floor only for all-zero blocks (tiny blocks go subnormal)",
             [

@@ -80,6 +80,7 @@ def w8a8_matmul(x, w):
 _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "pack_int4": [
         ("P3 negative codes not masked to 4 bits", [(NIBBLES, "nibbles = codes.to(torch.uint8)")]),
+        ("P5 bytes returned as int16", [(NIBBLES, "nibbles = codes.to(torch.int16) & 0xF")]),
         (
             "P4 2-d only: pairs along dim 1",
             [
@@ -92,6 +93,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     ],
     "unpack_int4": [
         ("U3 always sign-extends", [("    if signed:\n", "    if True:\n")]),
+        (
+            "U5 codes returned as int16",
+            [("lo = (packed & 0xF).to(torch.int8)", "lo = (packed & 0xF).to(torch.int16)"),
+             ("hi = (packed >> 4).to(torch.int8)", "hi = (packed >> 4).to(torch.int16)")],
+        ),
         ("U4 2-d only", [(".reshape(*packed.shape[:-1], -1)", ".reshape(packed.shape[0], -1)")]),
     ],
     "w8a8_matmul": [
@@ -113,6 +119,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         (
             "W2 one weight scale per tensor",
             [("(w.abs().amax(dim=1) / 127)", "(w.abs().max().repeat(w.shape[0]) / 127)")],
+        ),
+        (
+            "W6 absmax rounded to float16 before the division",
+            [(".amax(dim=1) / 127)", ".amax(dim=1).half().float() / 127)")],
         ),
         (
             "W4 multiply by the reciprocal",

@@ -19,6 +19,18 @@ I8_COLS = "cols = (x.abs() >= threshold).any(dim=0)  # outlier input channels, b
 I8_Y16 = "y16 = x[:, cols].half().float() @ w[:, cols].half().float().T"
 I8_SX = "s_x = (x8.abs().amax(dim=1) / 127).to(torch.float16).float()  # per token, shape (M,)"
 I8_SW = "s_w = (w8.abs().amax(dim=1) / 127).to(torch.float16).float()  # per output channel, (N,)"
+I8_QX = "q_x = torch.clamp(torch.round(x8 / torch.where(s_x == 0, 1.0, s_x)[:, None]), -127, 127)"
+I8_QW = "q_w = torch.clamp(torch.round(w8 / torch.where(s_w == 0, 1.0, s_w)[:, None]), -127, 127)"
+
+
+def _int8_rounding(rule: str) -> list[tuple[str, str]]:
+    """Both code lines rounded by ``rule`` (a format string of the value v)."""
+    out = []
+    for line, v in ((I8_QX, "x8 / torch.where(s_x == 0, 1.0, s_x)[:, None]"),
+                    (I8_QW, "w8 / torch.where(s_w == 0, 1.0, s_w)[:, None]")):
+        out.append((line, line.replace(f"torch.round({v})", rule.format(v=f"({v})"))))
+    return out
+
 
 # grade_id -> [(name, [(old, new), ...])]: every `old` must occur in the solution cell.
 _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
@@ -26,6 +38,7 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ("S1 exponents swapped", [(SS, "s = a ** (1 - alpha) / w**alpha")]),
         ("S1 ratio inverted (weights over activations)", [(SS, "s = w ** (1 - alpha) / a**alpha")]),
         ("S2 no zero-channel rule: 0, inf or NaN left", [(SS_RET, "return s.float()")]),
+        ("S3 returned as float64", [(SS_RET, SS_RET.replace(".float()", ""))]),
         (
             "S2 the paper code's clamp to 1e-5 instead of s = 1",
             [(SS, "s = a.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)"),
@@ -79,6 +92,33 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             "I4 scales kept in float32",
             [(I8_SX, I8_SX.replace(".to(torch.float16)", "")),
              (I8_SW, I8_SW.replace(".to(torch.float16)", ""))],
+        ),
+        (
+            "I6 w's outlier columns not zeroed before its scales",
+            [("x8, w8 = x.masked_fill(cols, 0.0), w.masked_fill(cols, 0.0)",
+              "x8, w8 = x.masked_fill(cols, 0.0), w")],
+        ),
+        (
+            "I7 codes from the float32 scales (rescaled with the fp16 ones)",
+            [(I8_QX, I8_QX.replace("torch.where(s_x == 0, 1.0, s_x)",
+                                   "(x8.abs().amax(dim=1) / 127).clamp(min=1e-30)")),
+             (I8_QW, I8_QW.replace("torch.where(s_w == 0, 1.0, s_w)",
+                                   "(w8.abs().amax(dim=1) / 127).clamp(min=1e-30)"))],
+        ),
+        ("I8 round half away from zero",
+         _int8_rounding("(torch.sign({v}) * torch.floor({v}.abs() + 0.5))")),
+        ("I8 round half up", _int8_rounding("torch.floor({v} + 0.5)")),
+        (
+            "I8 multiply by the reciprocal 1 / s",
+            [(I8_QX, I8_QX.replace("x8 / torch.where(s_x == 0, 1.0, s_x)",
+                                   "x8 * (1 / torch.where(s_x == 0, 1.0, s_x))")),
+             (I8_QW, I8_QW.replace("w8 / torch.where(s_w == 0, 1.0, s_w)",
+                                   "w8 * (1 / torch.where(s_w == 0, 1.0, s_w))"))],
+        ),
+        (
+            "I9 absmax rounded to float16 before the division",
+            [(I8_SX, I8_SX.replace("x8.abs().amax(dim=1)", "x8.abs().amax(dim=1).half().float()")),
+             (I8_SW, I8_SW.replace("w8.abs().amax(dim=1)", "w8.abs().amax(dim=1).half().float()"))],
         ),
         (
             "I5 no guard for all-zero rows (0 / 0)",

@@ -24,6 +24,7 @@ NORMALISE = "s = s / (s.max() * s.min()).sqrt()"
 _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "gptq_hinv": [
         ("H1 no fix for dead inputs (H_ii = 0 + damp)", [(DEAD, "pass\n")]),
+        ("H5 h modified in place (no clone)", [("    h = h.clone()\n", "")]),
         (
             "H2 damped before the dead inputs are fixed (their 1s miss the mean)",
             [(DEAD + "    " + DAMP, DAMP + "    " + DEAD)],
@@ -50,6 +51,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
              (SCALE, SCALE.replace("cols = w[", "cols = w_in["))],
         ),
         ("B4 err not divided by U_ii", [("(w[:, i] - q) / u[i, i]", "(w[:, i] - q)")]),
+        ("B6 group scale computed in float64", [(SCALE, SCALE.replace(".float()", ""))]),
+        ("B7 codes from a float64 division", [(ROUND, "torch.round(w[:, i] / s)")]),
+        ("B8 w modified in place (no clone)", [("    w = w.clone()\n", "")]),
+        ("B9 codes not clamped", [(f"torch.clamp({ROUND}, -qmax, qmax)", ROUND)]),
         ("B5 no update inside the block (RTN)", [(UPDATE, "pass")]),
         ("B5 update with column i of U (U^T)", [(UPDATE, UPDATE.replace("u[i, i:]", "u[i:, i]"))]),
     ],

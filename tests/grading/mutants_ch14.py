@@ -42,10 +42,25 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ),
         ("T1 scale kept in float32", [(".to(torch.float16).float()", "")]),
         ("T2 round half away from zero", [(ROUND, ROUND_AWAY)]),
+        (
+            "T8 multiply by the reciprocal 1 / s",
+            [("u = blocks / torch.where(scales == 0, 1.0, scales)",
+              "u = blocks * (1 / torch.where(scales == 0, 1.0, scales))")],
+        ),
+        (
+            "T7 absmax rounded to float16 before the division",
+            [("(blocks.abs().amax(dim=-1, keepdim=True) / qmax)",
+              "(blocks.abs().amax(dim=-1, keepdim=True).half().float() / qmax)")],
+        ),
     ],
     "lsq_quantize": [
         ("L2 grad_x passes everywhere, clamped values too", [(LSQ_GRAD_X, "grad_x = grad_y")]),
         ("L5 no gradient scale g", [(LSQ_RETURN, "return grad_x, per_group, None, None")]),
+        (
+            "L6 grad_scale argument ignored: LSQ's 1 / sqrt(N Q) instead",
+            [("ctx.n, ctx.grad_scale = n, grad_scale",
+              "ctx.n, ctx.grad_scale = n, (n * qmax) ** -0.5")],
+        ),
         (
             "L3 0 inside the range (QIL / PACT-style step gradient)",
             [(LSQ_DS, "dy_ds = torch.where(inside, 0.0, q)")],
@@ -63,6 +78,7 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ),
         ("L5 mean over the group, not the sum", [(LSQ_SUM, LSQ_SUM.replace(".sum(", ".mean("))]),
         ("L1 round half away from zero", [(ROUND, ROUND_AWAY)]),
+        ("L7 multiply by the reciprocal 1 / s", [("u = x / s", "u = x * (1 / s)")]),
     ],
 }
 

@@ -61,6 +61,13 @@ _EDITS = {
         ("Q3: torch.round (half to even)", [(TIES, "q = torch.round(y)")]),
         ("Q3: floor(y + 0.5) (half up)", [(AWAY, "q = torch.floor(y + 0.5)"), (TIES, "")]),
         ("Q4: codes from the float16 d", [(INV, INV.replace("1 / d)", "1 / d.half().float())"))]),
+        ("Q6: roundf as sign(y) * floor(|y| + 0.5)", [(TIES, "")]),
+        (
+            "Q6: roundf as trunc(y + copysign(0.5, y))",
+            [(AWAY, "q = torch.trunc(y + torch.copysign(torch.full_like(y, 0.5), y))"),
+             (TIES, "")],
+        ),  # fmt: skip
+        ("Q7: d = absmax * (1 / 127)", [(D8, D8.replace("/ 127", "* (1 / 127)"))]),
         (
             "Q5: an epsilon instead of the zero guard",
             [(D8, D8.replace("d = blocks.abs().amax(dim=-1) / 127",

@@ -217,7 +217,11 @@ def test_compare_values():
     )
     assert "expected shape" in compare_values(e, torch.zeros(2))
     assert "integer tensor" in compare_values(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]))
-    assert compare_values(torch.tensor([1, 2], dtype=torch.int8), torch.tensor([1, 2])) is None
+    assert "expected dtype int8, got int64" in compare_values(
+        torch.tensor([1, 2], dtype=torch.int8), torch.tensor([1, 2])
+    )
+    assert "expected dtype float32, got float64" in compare_values(e, e.double())
+    assert compare_values(torch.tensor(3, dtype=torch.uint8), 3) is None  # a number: any dtype
     hint = compare_values(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.1]), rtol=1e-3)
     assert "output[1]" in hint and "rtol" in hint
     assert compare_values(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0001]), rtol=1e-3) is None

@@ -188,14 +188,58 @@ def w8a8_matmul(x, w):
 }
 
 
+# The student variants that issue 24 found passing in chapters 12-15, graded end to end
+# (chapters 01-07 grade every mutant of their bank above; test_grading_check.py runs all of
+# them through `check` on 24 seeds): name -> (assignment, {grade_id: mutant name}).
+VARIANTS = {
+    "variant_halfaway_12_outliers": (
+        "12_outliers",
+        {"llm_int8_matmul": "I8 round half away from zero",
+         "smooth_scales": "S3 returned as float64"},
+    ),
+    "variant_halfup_12_outliers": ("12_outliers", {"llm_int8_matmul": "I8 round half up"}),
+    "variant_reciprocal_12_outliers": (
+        "12_outliers",
+        {"llm_int8_matmul": "I8 multiply by the reciprocal 1 / s"},
+    ),
+    "variant_unzeroed_12_outliers": (
+        "12_outliers",
+        {"llm_int8_matmul": "I6 w's outlier columns not zeroed before its scales"},
+    ),
+    "variant_inplace_13_gptq_awq": (
+        "13_gptq_awq",
+        {"gptq_hinv": "H5 h modified in place (no clone)",
+         "gptq_block": "B7 codes from a float64 division"},
+    ),
+    "variant_gradscale_14_qat": (
+        "14_qat",
+        {"lsq_quantize": "L6 grad_scale argument ignored: LSQ's 1 / sqrt(N Q) instead"},
+    ),
+    "variant_floor_15_gguf": (
+        "15_gguf",
+        {"q8_0_quantize": "Q6: roundf as sign(y) * floor(|y| + 0.5)"},
+    ),
+    "variant_trunc_15_gguf": (
+        "15_gguf",
+        {"q8_0_quantize": "Q6: roundf as trunc(y + copysign(0.5, y))"},
+    ),
+    "variant_recip127_15_gguf": ("15_gguf", {"q8_0_quantize": "Q7: d = absmax * (1 / 127)"}),
+}
+GRADED = CORE_ASSIGNMENTS + tuple(sorted({a for a, _ in VARIANTS.values()}))
+
+
 def _all_cases():
-    """Chapters 01-06; the kernel chapters grade their own class in their own test module
-    (grading_bank.mutant_notebooks(("08_...",)) builds theirs)."""
+    """Chapters 01-07, and the listed variants of 12-15; the kernel chapters grade their own
+    class in their own test module (grading_bank.mutant_notebooks(("08_...",)) builds
+    theirs)."""
     cases = {}  # name -> (assignment, notebook or raw text, zero-scoring grade_ids)
     for a in CORE_ASSIGNMENTS:
         cases[f"solution_{a}"] = (a, load(a), set())
         cases[f"exercise_{a}"] = (a, load(a, EXERCISES), set(assignments()[a]))
     cases.update(mutant_notebooks())
+    for name, (a, picks) in VARIANTS.items():
+        swap = {f"{g}_solution": dict(MUTANTS[g])[m] for g, m in picks.items()}
+        cases[name] = (a, with_cells(load(a), swap), set(picks))
     for name, (a, swap, after, wrong) in {**TAMPER, **CRASH}.items():
         nb = with_cells(load(a), swap, after)
         if name == "tamper_patch_06_wxay":
@@ -284,8 +328,9 @@ def test_csv_has_one_row_per_submission(graded):
     assert sorted(r["submission"] for r in rows) == sorted(CASES)
     header = list(rows[0])
     assert header[:3] == ["submission", "assignment", "status"]
-    assert header[-4:] == ["total", "max", "isolation", "flags"]
-    assert set(header[3:-4]) == {g for a in CORE_ASSIGNMENTS for g in assignments()[a]}
+    assert header[-5:] == ["total", "max", "isolation", "flags", "uses_reference"]
+    assert set(header[3:-5]) == {g for a in GRADED for g in assignments()[a]}
+    assert all(r["uses_reference"] == "" for r in rows)  # no solution or mutant borrows
     by = {r["submission"]: r for r in rows}
     assert by["solution_06_wxay"]["total"] == by["solution_06_wxay"]["max"] == "7"
     assert by["solution_06_wxay"]["sym_quantize"] == ""  # not this assignment's task

@@ -240,10 +240,10 @@ def test_file_name_decides_and_a_mismatch_is_flagged(graded):
     csv_text = (graded["out"] / "grades.csv").read_text().splitlines()
     header = csv_text[0].split(",")
     assert header[:3] == ["submission", "assignment", "status"]
-    assert header[-4:] == ["total", "max", "isolation", "flags"]
+    assert header[-5:] == ["total", "max", "isolation", "flags", "uses_reference"]
     line = next(r for r in csv_text if r.startswith("x_01_affine,"))
     assert line.startswith("x_01_affine,01_affine,graded,") and line.endswith(
-        ",bwrap,name_mismatch"
+        ",bwrap,name_mismatch,"
     )
 
 
@@ -405,12 +405,13 @@ def test_oversized_and_deep_results_cost_their_task_not_the_grader(tmp_path):
 
 def test_sandbox_hides_folders_and_is_read_only(tmp_path):
     _require_bwrap()
-    inside_repo = ROOT / "tests" / "grading"  # on sys.path under pytest: mounted read-only
+    inside_repo = ROOT / "tests" / "grading"  # on sys.path under pytest: never mounted
     work = tmp_path / "work"
     work.mkdir()
     probe = f"""
 import os, sys
-print(os.listdir({str(inside_repo)!r}) == [], os.path.exists({str(tmp_path / "secret")!r}))
+hidden = not os.path.exists({str(inside_repo)!r}) or os.listdir({str(inside_repo)!r}) == []
+print(hidden, os.path.exists({str(tmp_path / "secret")!r}))
 for target in ({str(ROOT / "qlab" / "x")!r}, "/etc/x", {str(work / "ok")!r}):
     try:
         open(target, "w").close()

@@ -2,6 +2,7 @@
 run, checked on the interpreter), device matching, the timing policy with stand-in timers,
 the result columns, recorded-results loading and the plots."""
 
+import itertools
 import json
 
 import pytest
@@ -62,20 +63,31 @@ def test_match_device():
         assert bench.match_device(name) == key and key in qlab.cost.DEVICES
 
 
-def test_timing_policy(monkeypatch):
+def test_timing_reads_the_flush_buffer_before_every_call_and_times_the_call_only(monkeypatch):
     seen = []
-    monkeypatch.setattr(bench.triton.testing, "do_bench",
-                        lambda fn, **kw: seen.append("flush") or 0.020)  # 20 us, in ms
-    monkeypatch.setattr(bench.triton.testing, "do_bench_cudagraph",
-                        lambda fn, **kw: fn() or seen.append("graph") or 0.040)  # fmt: skip
-    calls = [lambda i=i: seen.append(i) for i in range(4)]
-    t, how = bench.time_calls(calls, rep_ms=10)
-    assert seen == ["flush", 0, 1, 2, 3, "graph"]  # the graph cycles every weight copy
-    assert t == pytest.approx(0.040e-3 / 4) and "4 weight copies" in how
-    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **kw: 0.5)  # 500 us
-    assert bench.time_calls(calls, rep_ms=10) == (0.5e-3, "do_bench (L2 flushed)")
-    assert bench.weight_copies(8 << 20, 50 << 20) == 19  # 3x an H100's L2 of int4 weights
-    assert bench.weight_copies(1 << 30, 50 << 20) == 1 and bench.weight_copies(10, None) == 1
+
+    class Event:  # a stand-in CUDA event: 2 ms between any start and end
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            seen.append("record")
+
+        def elapsed_time(self, end):
+            return 2.0
+
+    class Flush:  # only a read is allowed: any write (zero_, fill_, copy_) would fail
+        def sum(self):
+            seen.append("read flush")
+
+    monkeypatch.setattr(bench.torch.cuda, "Event", Event)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: seen.append("sync"))
+    t = bench.time_cold(lambda: seen.append("call"), Flush(), rep_ms=20)
+    assert t == 2e-3
+    one = ["read flush", "record", "call", "record"]  # events around the call alone
+    # estimate: 3 flush + call pairs took 2 ms, so 20 ms holds 30 timed calls
+    assert seen == ["record"] + one * 3 + ["record", "sync"] + one * 30 + ["sync"]
+    assert bench.FLUSH_MIN_BYTES >= 256 << 20 and "after reading" in bench.TIMING
 
 
 def test_rows_get_model_bound_and_like_for_like_speedups():
@@ -126,3 +138,19 @@ def test_latest_measured_and_measured_plots(tmp_path):
     assert "MODEL" in fig.axes[0].get_title()
     lines = bench.summary_lines(latest)
     assert lines[0].startswith("MEASURED") and len(lines) == 2 + len(latest["rows"])
+
+
+def test_plan_counts_rows_autotuning_keys_and_every_config_it_compiles():
+    from qlab.kernels import bench_budget, configs
+
+    w = bench_budget.work(bench.SHAPES_QUICK, bench.M_QUICK)
+    n_candidates = len(baselines.candidates(fp8=True))
+    assert w["rows"] == len(bench.SHAPES_QUICK) * len(bench.M_QUICK) * n_candidates
+    # one key per shape and M bucket-and-power-of-two for W4A16, two (accumulation modes) for FP8
+    assert w["autotune_keys"] == len(bench.SHAPES_QUICK) * len(bench.M_QUICK) * 3
+    for (_, n, k), m, (kernel, modes) in itertools.product(
+        bench.SHAPES_QUICK, bench.M_QUICK, (("w4a16", 1), ("fp8", 2))
+    ):  # every config of the bucket is compiled (autotuning), FP8 in both accumulation modes
+        built = [r["config"] for r in w["requests"] if (r["kernel"], r["M"], r["N"], r["K"])
+                 == (kernel, m, n, k)]  # fmt: skip
+        assert built == list(configs.configs_for(kernel, m)) * modes

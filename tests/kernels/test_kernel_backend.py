@@ -58,3 +58,28 @@ def test_no_triton_gives_a_clear_message():
     assert result.returncode != 0
     assert "ImportError: qlab.kernels needs Triton" in result.stderr
     assert "Linux only" in result.stderr and "Colab" in result.stderr
+
+
+NO_NUMPY = (
+    "import sys, warnings\n"
+    "sys.modules['numpy'] = None  # as in an image with torch and triton only\n"
+    "warnings.filterwarnings('ignore', 'Failed to initialize NumPy')  # torch's own notice\n"
+)
+
+
+def test_imports_with_torch_and_triton_alone():
+    # A fresh GPU image (TRITON_INTERPRET unset there; =0 here: the same @triton.jit path).
+    code = NO_NUMPY + (
+        "import torch, qlab, qlab.kernels as qk, qlab.kernels.bench\n"
+        "print(qk.INTERPRET, qlab.quantize(torch.ones(2, 32), 'int4', 32).codes.sum().item())\n"
+    )
+    result = _python(code, TRITON_INTERPRET="0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "448"]  # 2 x 32 codes of 7
+
+
+def test_the_interpreter_without_numpy_says_so():
+    result = _python(NO_NUMPY + "import qlab.kernels\n")
+    assert result.returncode != 0
+    assert "interpreter (TRITON_INTERPRET=1" in result.stderr
+    assert "pip install numpy" in result.stderr

@@ -83,3 +83,20 @@ def test_16_bit_output_is_the_exact_value_rounded_once():
     assert bool(((bf16.float() - exact).abs() <= exact.abs() * 2.0**-7).all())
     with pytest.raises(TypeError, match="out_dtype"):
         dequantize_int4(packed, scales, 64, out_dtype=torch.int8)
+
+
+def test_offsets_past_2_31_switch_the_kernel_to_64_bit_rows():
+    # A (131072, 16384) weight dequantized has 2**31 elements: row * stride would wrap in
+    # int32, so the launch asks for int64 row offsets; a 4096 x 4096 one keeps int32.
+    from qlab.kernels import dequant
+
+    def launch(n, k, g=128):
+        def meta(*shape, dtype):  # tensors without memory: only shapes and strides matter
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        return dequant.plan(meta(n, k // 2, dtype=torch.uint8),
+                            meta(n, k // g, dtype=torch.float16),
+                            meta(n, k, dtype=torch.float32), g)  # fmt: skip
+
+    assert launch(131072, 16384).meta["INDEX_64"] is True
+    assert launch(4096, 4096).meta["INDEX_64"] is False

@@ -75,7 +75,7 @@ def assert_within_bound(y, x, weight, w_gran, a_gran, fast_accum=False):
 
 SHAPES = [  # (M, N, K): every M bucket; swap-AB up to 128 tokens, grouped tiles above
     (1, 64, 128),  # decode: swap-AB, one 64-feature tile
-    (5, 72, 200),  # ragged K: not a multiple of BLOCK_K = 128
+    (5, 72, 208),  # ragged K: not a multiple of BLOCK_K = 128 (K % 16 == 0 is required)
     (1, 96, 1024),  # split-K: 2 feature tiles, K split 8 ways
     (33, 130, 256),  # "medium" bucket
     (130, 40, 128),  # "large" bucket: grouped 128 x 128 tiles

@@ -61,3 +61,15 @@ def test_model_rows_and_where_4_bits_stop_paying():
     assert roofline.stops_paying_m(rows, "square 8192x8192", "fp8") is None
     a100 = roofline.model_rows("A100 80GB", SQUARE, (1,))
     assert {r["kernel"] for r in a100} == {"torch_bf16", "w4a16"}  # no fp8 on sm_80
+
+
+def test_issue_roof_from_the_bf16_peak():
+    # 132 SMs x 1.83 GHz x 128 thread-instructions per clock = 30.9e12 per second
+    assert roofline.issue_rate(H100) == pytest.approx(132 * 1.83e9 * 128, rel=1e-3)
+    assert roofline.issue_rate(H100) / H100.bandwidth_bytes_per_s == pytest.approx(9.23, abs=0.01)
+    assert roofline.issue_rate("H200") / 4.8e12 == pytest.approx(6.44, abs=0.01)
+    # 9.2 instructions per byte stream exactly at the H100's bandwidth; twice that, half
+    nbytes = 8.65e6
+    at_bw = roofline.issue_rate(H100) / H100.bandwidth_bytes_per_s
+    assert roofline.issue_seconds(at_bw, nbytes, H100) == pytest.approx(nbytes / 3.35e12)
+    assert roofline.issue_seconds(2 * at_bw, nbytes, H100) == pytest.approx(2 * nbytes / 3.35e12)

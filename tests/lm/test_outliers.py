@@ -128,3 +128,46 @@ def test_bits_and_rotation_costs():
     assert outliers.rotation_ops(384, "random") == 384 * 384
     assert outliers.rotation_ops(384, "hadamard") == 384 * 5 + 12 * 384  # 2^5 butterflies
     assert outliers.rotation_ops(256, "hadamard") == 256 * 8
+
+
+def test_smoothquant_follows_the_reference_one_s_per_layernorm():
+    from qlab.lm import minilm
+
+    m = minilm.load()
+    layers = m.linear_layers()
+    g = torch.Generator().manual_seed(0)
+    stats = {n: torch.rand(lin.in_features, generator=g) + 0.5 for n, lin in layers.items()}
+    q = quantize_model(m, Recipe(weights=None, acts=None, smooth_alpha=0.5), stats)
+    mods = dict(q.named_modules())
+    p = "encoder.layer.3."
+    qkv = [p + f"attention.self.{x}" for x in ("query", "key", "value")]
+    w_absmax = torch.stack([layers[n].weight.detach().abs().amax(0) for n in qkv]).amax(0)
+    expected = smooth_scales(stats[qkv[0]], w_absmax, 0.5)  # the max over q, k and v
+    assert all(torch.equal(mods[n].smooth, expected) for n in qkv)
+    fc1 = p + "intermediate.dense"
+    assert torch.equal(mods[fc1].smooth,
+                       smooth_scales(stats[fc1], layers[fc1].weight.detach().abs().amax(0), 0.5))
+    for n in (p + "attention.output.dense", p + "output.dense"):  # no LayerNorm before them
+        assert mods[n].smooth is None and mods[n].recipe.smooth_alpha is None
+    lm = Q.load_model()
+    lstats = {n: torch.ones(lin.in_features) for n, lin in lm.linear_layers().items()}
+    qlm = dict(quantize_model(lm, Recipe(smooth_alpha=0.5), lstats).named_modules())
+    assert [n for n, mod in qlm.items() if isinstance(mod, QuantLinear) and
+            mod.smooth is not None] == [f"blocks.{i}.{k}" for i in range(len(lm.blocks))
+                                        for k in ("attn.qkv", "mlp.fc1")]
+
+
+def test_rotation_overhead_rotates_a_shared_input_once():
+    from qlab.lm import minilm
+
+    m = minilm.load()
+    groups = outliers.input_groups(m.linear_layers())
+    assert len(groups) == 6 * 4 and groups["encoder.layer.0.attention.self"] == [
+        "encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key",
+        "encoder.layer.0.attention.self.value"]
+    macs = 6 * (4 * 384 * 384 + 2 * 384 * 1536)
+    for rot in ("hadamard", "random"):
+        ops = 6 * (3 * outliers.rotation_ops(384, rot) + outliers.rotation_ops(1536, rot))
+        assert outliers.rotation_overhead(m, rot) == ops / macs
+    assert round(100 * outliers.rotation_overhead(m, "hadamard"), 1) == 2.8
+    assert round(100 * outliers.rotation_overhead(m, "random")) == 158

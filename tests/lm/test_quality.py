@@ -143,6 +143,9 @@ def test_move_scale_into_layernorm_keeps_function_creates_outlier(base, ref, win
     a8k = Q.compare(ref, Q.logits(Q.quantize_activations(m, "int8", keep_fp=keep), windows),
                     windows)
     assert a8.kl > 5 * a8k.kl
+    # the LayerNorm bias must be scaled with the gain: the gain alone changes the function
+    gain_only = Q.move_scale_into_layernorm(base, 83, 30.0, bias=False)
+    assert (Q.logits(gain_only, windows) - ref).abs().max() > 0.01
 
 
 def test_bootstrap_interval_of_the_mean():

@@ -42,3 +42,18 @@ def test_score_counts_hits_and_pairs_the_change():
     assert "change" not in cos_only.row() and "cosine" in cos_only.row()
     with pytest.raises(ValueError, match="same task"):
         retrieval.score(perfect[:10], 5, r)
+
+
+def test_from_hits_rebuilds_what_score_measured():
+    g = torch.Generator().manual_seed(1)
+    q = torch.nn.functional.normalize(torch.randn(8, 16, generator=g), dim=1)
+    ref = retrieval.score(torch.cat([q, q]), 8)
+    noisy = torch.nn.functional.normalize(torch.cat([q, q]) + 0.6 * torch.randn(16, 16,
+                                                                                generator=g), dim=1)
+    s = retrieval.score(noisy, 8, ref)
+    cos = (noisy.double() * ref.embeddings.double()).sum(dim=1)
+    r = retrieval.from_hits(s.hits, cos, ref.hits)
+    for field in ("recall_at_1", "recall_ci", "recall_change", "recall_change_ci", "cosine",
+                  "cosine_ci", "cosine_min"):
+        assert getattr(r, field) == getattr(s, field), field
+    assert torch.equal(r.hits, s.hits) and r.embeddings.numel() == 0

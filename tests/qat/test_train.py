@@ -43,13 +43,18 @@ def test_the_script_reproduces_the_first_logged_losses(name):
     moved W4A4's second loss by 0.08 % on an AMD EPYC (0.3840 against 0.3843). Hence the
     tolerances: step 0 (a forward pass: seed, data order and quantizer) to the log's 4
     decimals; step 1 to 0.2 % + half the log's last digit, while 10 % less learning rate
-    moves W4A4's second loss by 0.5 % and int4's by 0.8 %."""
+    moves W4A4's second loss by 0.5 % and int4's by 0.8 %. W4A4 gets 0.1 % at step 0 and
+    0.35 % at step 1: its forward pass rounds every activation to 16 levels, and a code at a
+    rounding boundary flips with the last bit of a BLAS sum (an Intel Xeon gives 0.4230 and
+    0.3832 against the log's 0.4232 and 0.3843: 0.04 % and 0.28 % apart)."""
     _, meta = load_run(name)
     _, hist, _ = train_qat(RUNS[name], threads=meta["threads"], progress=False, max_steps=2)
     logged = _logged_losses(name)
     (_, first), (_, second) = hist
-    assert abs(first - float(logged[0])) <= 0.6e-4, (first, logged[0])
-    assert abs(second - float(logged[1])) <= 0.5e-4 + 2e-3 * second, (second, logged[1])
+    tol_first = 0.6e-4 if RUNS[name].acts is None else 0.5e-4 + 1e-3 * first
+    assert abs(first - float(logged[0])) <= tol_first, (first, logged[0])
+    tol_second = 0.5e-4 + (2e-3 if RUNS[name].acts is None else 3.5e-3) * second
+    assert abs(second - float(logged[1])) <= tol_second, (second, logged[1])
 
 
 def test_shipped_qat_beats_ptq_at_the_same_bits():

@@ -158,6 +158,20 @@ def test_a_chapter_executed_by_the_tests_is_taken_only_while_its_cells_are_the_s
     assert build.already_executed(chapters, done, root) == ({}, chapters)
 
 
+def test_kernels_get_the_thread_policy_shared_out_between_jobs(tmp_path):
+    """qlab/_tensor.py's policy: each of --jobs kernels gets its share of the threads, and
+    OpenMP threads that wait passively."""
+    from qlab._tensor import thread_count, thread_env
+
+    _stage_fake_repo(
+        tmp_path, ["import os; print(os.environ['OMP_NUM_THREADS'], os.environ['OMP_WAIT_POLICY'])"]
+    )
+    ran = build.execute_all(build.numbered(tmp_path / "notebooks"), 2, tmp_path)
+    policy = thread_env(max(1, thread_count() // 2))
+    printed = ran["notebooks/98_fine.ipynb"].cells[1].outputs[0]["text"]
+    assert printed == f"{policy['OMP_NUM_THREADS']} {policy['OMP_WAIT_POLICY']}\n"
+
+
 def test_stage_mirrors_the_repository(tmp_path):
     root = tmp_path / "repo"
     _stage_fake_repo(root, ["print('hi')"])

@@ -74,6 +74,17 @@ def fp16_scale_straddle(g: torch.Generator, divisor: int, k: int) -> tuple[float
     raise RuntimeError(f"no float16 straddle found for divisor {divisor}, k {k}")
 
 
+def fp16_amax_trap(g: torch.Generator, divisor: int) -> float:
+    """A float32 absmax whose stored scale fp16(amax / divisor) differs from the one computed
+    from the absmax rounded to float16 first, fp16(fp16(amax) / divisor): a case in which
+    rounding the absmax (instead of the scale) to float16 changes the scale."""
+    for _ in range(200):
+        amax = torch.empty(()).uniform_(0.5, 4.0, generator=g)
+        if (amax / divisor).half() != (amax.half().float() / divisor).half():
+            return float(amax)
+    raise RuntimeError(f"no float16 absmax trap found for divisor {divisor}")
+
+
 def reciprocal_trap(g: torch.Generator, k: int) -> float:
     """A float16 scale s in [1, 2) for which x = (k + 0.5) * s divides to exactly k + 0.5 (a
     tie, round-half-to-even) while x * float32(1 / s) rounds to the other neighbour: a case

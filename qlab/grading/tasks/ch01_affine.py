@@ -6,6 +6,8 @@ changes the answer (tests/grading/grading_bank.py holds a mutant per clause):
 sym_quantize(x, bits) -> (codes int8, scale fp16 0-d)
   S1 grid -qmax..qmax, qmax = 2^(b-1) - 1 .......................... every case
   S2 scale = fp16(amax / qmax), stored as float16 ................... every nonzero case
+  S6 the float32 amax divided, then rounded to fp16 (not fp16(amax)) . "amax trap"
+  S7 codes int8, scale float16 (the dtypes are graded) ............... every case
   S3 codes divide by the STORED fp16 scale, not the fp32 one ........ "fp16 straddle"
   S4 a true division x / s, not x * (1 / s) ......................... "ties" (trap scale)
   S5 round half to even, both signs ................................. "ties"
@@ -20,11 +22,13 @@ asym_quantize(x, bits) -> (codes uint8, scale fp16, zero_point uint8)
   A5 codes = round(x / s) + z: round first (z odd moves RNE ties) ... "code ties, z odd"
   A6 codes clamped to [0, 2^b - 1] (a tie can reach 2^b) ............ "z tie, k odd"
   A7 codes divide by the stored fp16 scale .......................... "fp16 straddle"
+  A8 a true division x / s, not x * (1 / s) ......................... "reciprocal"
   (z's own clamp never acts: -lo / s <= (2^b - 1)(1 + 2^-11) rounds to <= 2^b - 1; the
   all-zero tensor, every run, is checked but its guard invisible, as for S)
 affine_dequantize(codes, scale, z) -> float32
   D1 x_hat = s * (q - z) with q - z signed (no uint8 wrap-around) ... "q < z"
   D2 in float32 (an fp16 product rounds) ............................ "fp16 product"
+  D3 a float32 result (the dtype is graded) ......................... every case
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import qlab
 from qlab.grading.registry import Mismatch, exact, tasks_for
 from qlab.grading.tasks._inputs import (
     choice,
+    fp16_amax_trap,
     fp16_scale_straddle,
     on_grid,
     randint,
@@ -54,18 +59,26 @@ def _sym_explain(args, m: Mismatch) -> str:
     s32 = torch.as_tensor(float(x.abs().max()), dtype=torch.float32) / qmax
     s = float(scale)
     head = f"qmax = {qmax}, amax / qmax = {num(s32)} in float32, stored as float16: s = {num(s)}"
+    amax16 = torch.as_tensor(float(x.abs().max())).half().float()
+    if (amax16 / qmax).half() != scale:
+        head += (f" (fp16(amax) / qmax = {num((amax16 / qmax).half())}: divide the float32 "
+                 "absmax, then round the quotient to float16)")
     if m.output != "codes":
         return head
     if s == 0:
         return head + " (an all-zero tensor: divide by 1, codes 0)"
     xi = float(x[m.index])
     note = f"{head}; x = {num(xi)}, x / s = {int_rounding(div32(xi, s))}"
+    recip = float(torch.tensor(xi) * (1 / torch.tensor(s)))
+    if round(recip) != round(div32(xi, s)):
+        note += f" (x * (1 / s) = {num(recip)} rounds otherwise: divide)"
     if round(div32(xi, s32)) != round(div32(xi, s)):
         note += f" (x / the unrounded float32 scale = {num(div32(xi, s32))}: divide by the fp16 s)"
     return note
 
 
 @task("sym_quantize", "symmetric_quantize", points=2,
+      implements=("qlab.quantize", "qlab.scales.absmax"),
       reference=lambda x, bits: quantized(x, qlab.int_scheme(bits)),
       compare=exact(names=("codes", "scale"), explain=_sym_explain),
       signature="symmetric_quantize(x, bits) -> (codes int8, scale float16 0-d)")
@@ -91,6 +104,13 @@ def _sym_cases(g: torch.Generator):
     x = weights(g, (2, 16), scale=amax / 4).clamp(-amax, amax)
     x[0, 3], x[1, 7] = xk, -amax
     cases.append((x, bits))
+    # amax trap: fp16(fp16(amax) / qmax) != fp16(amax / qmax), so rounding the absmax to
+    # float16 before the division changes the stored scale
+    bits = randint(g, 3, 8)
+    amax = fp16_amax_trap(g, 2 ** (bits - 1) - 1)
+    x = weights(g, (2, 8), scale=amax / 4).clamp(-amax, amax)
+    x[randint(g, 0, 1), randint(g, 0, 7)] = amax * choice(g, (1.0, -1.0))
+    cases.append((x, bits))
     cases.append((torch.zeros(2, 8), randint(g, 2, 8)))  # zeros: scale 0, codes 0
     return cases
 
@@ -114,6 +134,9 @@ def _asym_explain(args, m: Mismatch) -> str:
     v = -lo if m.output != "codes" else float(x[m.index])
     if m.output == "codes":
         head += f"; x = {num(v)}, x / s = {int_rounding(div32(v, s))}, + z, clamp to [0, {levels}]"
+        recip = float(torch.tensor(v) * (1 / torch.tensor(s)))
+        if round(recip) != round(div32(v, s)):
+            head += f" (x * (1 / s) = {num(recip)} rounds otherwise: divide)"
     if round(div32(v, s32)) != round(div32(v, s)):
         head += f" (over the unrounded float32 scale: {num(div32(v, s32))}; use the fp16 s)"
     return head
@@ -123,6 +146,7 @@ _ASYM = ("codes", "scales", "zero_points")
 
 
 @task("asym_quantize", "asymmetric_quantize", points=2,
+      implements=("qlab.quantize", "qlab.scales.minmax"),
       reference=lambda x, bits: quantized(x, qlab.int_scheme(bits, symmetric=False), fields=_ASYM),
       compare=exact(names=("codes", "scale", "zero_point"), explain=_asym_explain),
       signature="asymmetric_quantize(x, bits) -> (codes uint8, scale float16, zero_point uint8)")
@@ -139,6 +163,7 @@ def _asym_cases(g: torch.Generator):
     for parity in (0, 1):
         cases.append(_asym_zero_tie(g, parity))
     cases.append(_asym_straddle(g))
+    cases.append(_asym_reciprocal(g))
     cases.append((torch.zeros(1, 8), randint(g, 2, 8)))
     return cases
 
@@ -166,6 +191,20 @@ def _asym_zero_tie(g: torch.Generator, parity: int):
     lo, hi = -(k + 0.5) * step, (levels - k - 0.5) * step  # hi - lo = levels * step
     x = lo + (hi - lo) * torch.rand(2, 16, generator=g)
     x[0, 0], x[1, 5] = lo, hi
+    return (x, bits)
+
+
+def _asym_reciprocal(g: torch.Generator):
+    """Range [-z s, (levels - z) s] with a float16 scale s (exact) at which x = +-(k + 0.5) s
+    divides to an exact tie while x * (1 / s) rounds to the other neighbour."""
+    bits = randint(g, 5, 8)
+    levels = 2**bits - 1
+    k = randint(g, 1, min(15, (levels - 2) // 2))  # so that k + 1 <= levels - k - 1
+    s = reciprocal_trap(g, k) * 2.0 ** randint(g, -6, 0)
+    z = randint(g, k + 1, levels - k - 1)  # both ties +-(k + 0.5) s lie inside the range
+    lo, hi = -z * s, (levels - z) * s
+    x = (lo + (hi - lo) * torch.rand(2, 16, generator=g)).clamp(lo, hi)
+    x[0, 0], x[0, 1], x[1, 2], x[1, 3] = lo, hi, (k + 0.5) * s, -(k + 0.5) * s
     return (x, bits)
 
 
@@ -197,6 +236,7 @@ def _deq_explain(args, m: Mismatch) -> str:
 
 
 @task("affine_dequantize", "affine_dequantize", points=1,
+      implements=("qlab.dequantize",),
       reference=lambda codes, scale, zero_point: _deq_ref(codes, scale, zero_point),
       compare=exact(explain=_deq_explain),
       signature="affine_dequantize(codes, scale, zero_point) -> float32 x_hat")

@@ -6,6 +6,8 @@ group_quantize(w, bits, g) -> (codes int8 (R, K), scales fp16 (R, K // g))
   G1 groups of g contiguous elements along K, group j = k // g ..... "mixed groups" (and the
      outlier case: a per-tensor or per-row scale crushes the other groups)
   G2 scale = fp16(group amax / qmax) ................................. every nonzero group
+  G6 the float32 amax divided, then rounded to fp16 (not fp16(amax)) . "mixed groups" (1, 0)
+  G7 codes int8, scales float16 (the dtypes are graded) ............... every case
   G3 codes divide by the STORED fp16 scale .......................... "mixed groups" straddle
   G4 a true division, not x * (1 / s) ............................... "mixed groups" ties
   G5 round half to even ............................................. "mixed groups" ties
@@ -25,6 +27,7 @@ import qlab
 from qlab.grading.registry import Mismatch, close, exact, tasks_for
 from qlab.grading.tasks._inputs import (
     choice,
+    fp16_amax_trap,
     fp16_scale_straddle,
     on_grid,
     randint,
@@ -51,6 +54,10 @@ def _group_explain(args, m: Mismatch) -> str:
         f"row {r}, group {j} = columns {j * gs}..{(j + 1) * gs - 1}: amax = "
         f"{num(group.abs().max())}, amax / {qmax} stored as float16: s = {num(s)}"
     )
+    amax16 = group.abs().max().half().float()
+    if (amax16 / qmax).half() != scales[r, j]:
+        head += (f" (fp16(amax) / {qmax} = {num((amax16 / qmax).half())}: divide the float32 "
+                 "amax, then round the quotient to float16)")
     if m.output != "codes":
         return head
     if s == 0:
@@ -60,6 +67,7 @@ def _group_explain(args, m: Mismatch) -> str:
 
 
 @task("group_quantize", "group_quantize", points=3,
+      implements=("qlab.quantize", "qlab.scales.absmax"),
       reference=lambda w, bits, group_size: quantized(w, qlab.int_scheme(bits), group_size),
       compare=exact(names=("codes", "scales"), explain=_group_explain),
       signature="group_quantize(w, bits, group_size) -> (codes int8, scales fp16 (R, K//g))")
@@ -84,7 +92,8 @@ def _group_cases(g: torch.Generator):
 def _mixed_groups(g: torch.Generator):
     """(2, 4 groups of 16): group (0, 0) holds exact ties on a trap scale (RNE, and x * (1/s)
     rounds the other way), group (0, 1) is all zeros, group (0, 2) a float16 straddle (its
-    fp32 scale moves a code); the rest random, each group on its own scale."""
+    fp32 scale moves a code), group (1, 0) an absmax whose float16 rounding before the
+    division changes the scale; the rest random, each group on its own scale."""
     bits, gs = randint(g, 5, 8), 16
     qmax = 2 ** (bits - 1) - 1
     w = weights(g, (2, 4 * gs)) * torch.logspace(-1, 1, 4).repeat_interleave(gs)
@@ -98,11 +107,15 @@ def _mixed_groups(g: torch.Generator):
     w[0, 2 * gs : 3 * gs] = (w[0, 2 * gs : 3 * gs] / w[0, 2 * gs : 3 * gs].abs().max()) * amax
     w[0, 2 * gs + randint(g, 0, gs - 2)] = xk
     w[0, 2 * gs + gs - 1] = -amax  # the group's amax, exactly
+    amax = fp16_amax_trap(g, qmax)  # group (1, 0): fp16(fp16(amax) / qmax) is another scale
+    w[1, :gs] = (w[1, :gs] / w[1, :gs].abs().max() * amax).clamp(-amax, amax)
+    w[1, randint(g, 0, gs - 1)] = amax
     return (w, bits, gs)
 
 
 # 1e-12: (s + z) / g and s / g + z / g may differ in the last bit of a float64
 @task("bits_per_weight", "bits_per_weight", points=1,
+      implements=("qlab.cost.bits_per_weight",),
       reference=lambda bits, g, sb, zb: qlab.cost.bits_per_weight(bits, g, sb, zb),
       compare=close(rtol=1e-12),
       signature="bits_per_weight(bits, group_size, scale_bits, zero_bits) -> float")

@@ -7,6 +7,7 @@ nf4_levels(offset) -> 16 float32 levels
   L2 normalised by the largest level (span [-1, 1]) .................. every case
   L3 ascending order ................................................. every case
   L4 the offset is an argument (not QLoRA's pasted table) ............ the random offsets
+  L5 returned as float32 (the dtype is graded) ....................... every case
   (float64 vs float32 arithmetic stays inside the 1e-6 tolerance: advice, not graded)
 nf4_quantize(w) -> (codes uint8 (R, K), absmax float32 (R, K // 64))
   N1 blocks of 64 contiguous elements ................................ "blocks"
@@ -14,6 +15,7 @@ nf4_quantize(w) -> (codes uint8 (R, K), absmax float32 (R, K // 64))
   N3 u = w * fp32(1 / absmax): multiply by the reciprocal ............ "reciprocal"
   N4 u exactly on a midpoint takes the LOWER code .................... "midpoints"
   N5 an all-zero block: absmax 0, codes of level 0.0 (code 7) ........ "blocks"
+  N6 codes uint8, absmax float32 (the dtypes are graded) ............. every case
   (midpoints summed in float32 equal qlab's fp32((l_k + l_k+1) / 2) for all 15: not a clause)
 """
 
@@ -36,6 +38,7 @@ BLOCK = 64
 # statistics.NormalDist, scipy) agree to ~1e-15 in float64 but a float32 level may
 # still land one ulp (6e-8) apart; 1e-6 is far below the 0.08 gap between levels.
 @task("nf4_levels", "nf4_levels", points=2, reference=lambda offset: quantile_levels(offset),
+      implements=("qlab.formats.nf4.quantile_levels",),
       compare=close(rtol=0.0, atol=1e-6),
       signature="nf4_levels(offset) -> 16 float32 levels, ascending, in [-1, 1]")
 def _levels_cases(g: torch.Generator):
@@ -61,6 +64,7 @@ def _nf4_explain(args, m: Mismatch) -> str:
 
 
 @task("nf4_quantize", "nf4_quantize", points=3, reference=lambda w: quantized(w, "nf4"),
+      implements=("qlab.quantize", "qlab.scales.nf4", "qlab.formats.nf4.NF4Grid.encode"),
       compare=exact(names=("codes", "absmax"), explain=_nf4_explain),
       signature="nf4_quantize(w) -> (codes uint8 (R, K), absmax float32 (R, K // 64))")
 def _nf4_cases(g: torch.Generator):

@@ -7,12 +7,14 @@ e4m3_decode(codes uint8) -> float32
   F2 E = 0 is subnormal: 2^-6 * M/8 ................................. every code
   F3 0x7F and 0xFF are NaN, and only they (0x7E = 448, no inf) ...... every code
   F4 the sign bit applies to zero: 0x80 is -0.0 ..................... every code
+  F5 float32 values (the dtype is graded) ............................ every case
 e4m3_encode(x float32) -> uint8
   C1 nearest value ................................................... spread
   C2 ties to the even code, normal range (both directions) .......... "ties"
   C3 ties to even in the subnormal range (2^-10 -> 0) ............... "ties"
   C4 saturation: |x| > 448, inf included, gives +-448, never NaN .... "overflow"
   C5 the sign bit is x's sign bit: -0.0 and -tiny give 0x80 ......... "overflow"
+  C6 uint8 codes (the dtype is graded) ............................... every case
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def _decode_explain(args, m: Mismatch) -> str:
 
 # bit-exact: every E4M3 value is a float32; -0.0 must keep its sign, NaN matches NaN
 @task("e4m3_decode", "decode_e4m3", points=2, reference=lambda codes: E4M3.decode(codes),
+      implements=("qlab.formats.minifloat.Minifloat.decode",),
       compare=exact(signed_zero=True, explain=_decode_explain),
       signature="decode_e4m3(codes uint8) -> float32 values")
 def _decode_cases(g: torch.Generator):
@@ -55,6 +58,8 @@ def _decode_cases(g: torch.Generator):
 
 
 @task("e4m3_encode", "encode_e4m3", points=3, reference=lambda x: E4M3.encode(x),
+      implements=("qlab.formats.minifloat.Minifloat.encode",
+                  "qlab.formats.minifloat.Minifloat.encode_generic",),
       compare=exact(explain=lambda args, m: "x = " + grid_rounding(float(args[0][m.index]), E4M3)),
       signature="encode_e4m3(x float32) -> uint8 codes (RNE, saturate to +-448)")
 def _encode_cases(g: torch.Generator):

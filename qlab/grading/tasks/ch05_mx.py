@@ -13,6 +13,7 @@ mxfp4_quantize(x) -> (codes uint8 E2M1 (R, K), scales float32 (R, K // 32))
   M1 the scale of mx_scale with emax 2 (X2, X4, X5) .................. "mx edges"
   M2 elements E2M1(x / X), round half to even (ties both ways) ....... "mx edges" ties
   M3 saturation to +-6 (amax in [6X, 8X) ) ........................... "mx edges"
+  M4 the sign bit is x's: -0.25 X rounds to -0, code 0x8 ............ "mx edges" ties
 nvfp4_quantize(x) -> (codes uint8 (R, K), block scales (R, K // 16), ts 0-d)
   V1 ts = amax / 2688 in one float32 division ....................... "nv traps"
   V2 bs = E4M3((block_amax / 6) / ts), in that order ................ "nv traps"
@@ -21,6 +22,7 @@ nvfp4_quantize(x) -> (codes uint8 (R, K), block scales (R, K // 16), ts 0-d)
   V5 x divided by the float32 product ts * bs ....................... "nv traps"
   V6 E2M1 elements round half to even ............................... "nv ties"
   V7 blocks of 16 contiguous ......................................... every multi-block row
+  V8 the sign bit is x's: -0.25 ts bs rounds to -0, code 0x8 ........ "nv ties" block 2
   (the clamp at 448 never acts: (block_amax / 6) / ts <= 448 up to rounding, which the
   saturating E4M3 encode absorbs; x is never all zeros, as the exercise states)
 """
@@ -68,6 +70,7 @@ def _scale_explain(args, m: Mismatch) -> str:
 
 
 @task("mx_scale", "mx_block_scales", points=2,
+      implements=("qlab.quantize", "qlab.scales.e8m0"),
       reference=lambda x, element: qlab.quantize(x, ELEMENTS[element]).scales,
       compare=exact(explain=_scale_explain),
       signature="mx_block_scales(x, element) -> float32 powers of two (R, K // 32)")
@@ -121,6 +124,7 @@ def _mxfp4_explain(args, m: Mismatch) -> str:
 
 
 @task("mxfp4_quantize", "mxfp4_quantize", points=3, reference=lambda x: quantized(x, "mxfp4"),
+      implements=("qlab.quantize", "qlab.scales.e8m0"),
       compare=exact(names=("codes", "scales"), explain=_mxfp4_explain),
       signature="mxfp4_quantize(x) -> (codes uint8 E2M1 (R, K), scales float32 (R, K // 32))")
 def _mxfp4_cases(g: torch.Generator):
@@ -173,6 +177,7 @@ def _nvfp4_explain(args, m: Mismatch) -> str:
 
 
 @task("nvfp4_quantize", "nvfp4_quantize", points=3,
+      implements=("qlab.quantize", "qlab.scales.nvfp4"),
       reference=lambda x: quantized(x, "nvfp4", fields=_NV),
       compare=exact(names=("codes", "block_scales", "tensor_scale"), explain=_nvfp4_explain),
       signature="nvfp4_quantize(x) -> (codes uint8 (R, K), block scales (R, K // 16), ts 0-d)")
@@ -242,13 +247,14 @@ def _nv_traps(g: torch.Generator) -> torch.Tensor:
 
 
 def _order_traps(g: torch.Generator):
-    """(amax, ts, [b1, b2]): (amax / 6) / 448 != amax / 2688, and block amaxes b1, b2 for
+    """(amax, ts, [b1, b2]): (amax / 6) / 448 and amax * fp32(1 / 2688) both differ from
+    amax / 2688, and block amaxes b1, b2 for
     which b / (6 ts), resp. (b / ts) / 6, round to another E4M3 than (b / 6) / ts."""
     wrong = (lambda b, ts: b / (6.0 * ts), lambda b, ts: (b / ts) / 6.0)
     for _ in range(1000):
         amax = torch.empty(()).uniform_(1.0, 100.0, generator=g)
         ts = amax / 2688.0
-        if (amax / 6.0) / 448.0 == ts:
+        if (amax / 6.0) / 448.0 == ts or amax * torch.tensor(1.0 / 2688.0) == ts:
             continue
         centres = FP8.values[(FP8.values > 2.0**-6) & (FP8.values < 220)] * (6.0 * ts)
         hits = [

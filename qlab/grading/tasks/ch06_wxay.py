@@ -7,15 +7,18 @@ pack_int4(codes (..., K)) -> uint8 (..., K // 2)
   P2 pairs are neighbours along the last axis ....................... every case
   P3 negative codes as 4-bit two's complement (& 0xF) ............... signed cases
   P4 any leading shape (..., K): 1-d and 3-d inputs ................. "shapes"
+  P5 uint8 bytes (the dtype is graded) ............................... every case
 unpack_int4(packed (..., K), signed) -> int8 (..., 2K)
   U1 (low nibble, high nibble) in that order ........................ "every byte" (both)
   U2 signed: nibbles 8..15 are -8..-1 ............................... "every byte, signed"
   U3 unsigned: 0..15 as they are .................................... "every byte, unsigned"
   U4 any leading shape .............................................. "shapes"
+  U5 int8 codes (the dtype is graded) ................................ every case
 w8a8_matmul(x (M, K), w (N, K)) -> float32 (M, N)
   W1 one activation scale per token (row of x) ...................... "loud token"
   W2 one weight scale per output channel (row of w) ................. "one-hot"
   W3 scales stored as float16; codes divide by the stored value ..... "one-hot" straddle
+  W6 the float32 amax divided, then rounded to fp16 (not fp16(amax)) . "loud token" row 0
   W4 round half to even, true division .............................. "one-hot" ties
   W5 integer codes multiplied and summed exactly, rescaled once ..... every case
   The one-hot case makes single codes visible: row n of w is zero but for one weight at
@@ -31,6 +34,7 @@ import qlab.pipelines
 from qlab.grading.registry import Mismatch, close, exact, tasks_for
 from qlab.grading.tasks._inputs import (
     choice,
+    fp16_amax_trap,
     fp16_scale_straddle,
     randint,
     reciprocal_trap,
@@ -53,6 +57,7 @@ def _pack_explain(args, m: Mismatch) -> str:
 
 
 @task("pack_int4", "pack_int4", points=2, reference=lambda codes: qlab.pack_int4(codes),
+      implements=("qlab.pack_int4",),
       compare=exact(explain=_pack_explain),
       signature="pack_int4(codes) -> packed uint8 (..., K // 2)")
 def _pack_cases(g: torch.Generator):
@@ -86,6 +91,7 @@ def _unpack_explain(args, m: Mismatch) -> str:
 
 
 @task("unpack_int4", "unpack_int4", points=2,
+      implements=("qlab.unpack_int4",),
       reference=lambda packed, signed: qlab.unpack_int4(packed, signed=signed),
       compare=exact(explain=_unpack_explain),
       signature="unpack_int4(packed, signed) -> codes int8 (..., 2 * K)")
@@ -120,6 +126,7 @@ def _w8a8_explain(args, m: Mismatch) -> str:
 # the int8 products and their sums are exact; only the final rescale may round
 # differently ((acc * s_x) * s_w vs acc * (s_x * s_w)): a few float32 ulps
 @task("w8a8_matmul", "w8a8_matmul", points=3,
+      implements=("qlab.pipelines.w8a8_reference", "qlab.quantize"),
       reference=lambda x, w: qlab.pipelines.w8a8_reference(x, w, "int8", "channel", "token"),
       compare=close(rtol=1e-6, explain=_w8a8_explain),
       signature="w8a8_matmul(x (M, K), w (N, K)) -> float32 (M, N)")
@@ -132,7 +139,12 @@ def _w8a8_cases(g: torch.Generator):
         cases.append((x, w))
     x = weights(g, (4, 32))
     x[2] *= 50.0  # one loud token: a per-tensor activation scale would crush the others
-    cases.append((x, weights(g, (3, 32))))
+    w = weights(g, (3, 32))
+    for t in (x, w):  # row 0: an absmax whose float16 rounding before / 127 moves the scale
+        amax = fp16_amax_trap(g, 127)
+        t[0] = (t[0] / t[0].abs().max() * amax).clamp(-amax, amax)
+        t[0, randint(g, 0, 31)] = -amax
+    cases.append((x, w))
     cases.append(_one_hot(g))
     return cases
 

@@ -58,6 +58,7 @@ def _ppl_explain(args, m: Mismatch) -> str:
 # exp turns that into the same RELATIVE error in the perplexity (measured over 2000
 # seeds: < 2.2e-6). The wrong answers are off by whole factors.
 @task("perplexity", "perplexity", points=2,
+      implements=("qlab.lm.quality.perplexity",),
       reference=lambda logits, windows: quality.perplexity(logits, windows),
       compare=close(rtol=2e-5, explain=_ppl_explain),
       signature="perplexity(logits (N, T, V), windows int64 (N, T + 1)) -> float")
@@ -116,6 +117,7 @@ def _kl_explain(args, m: Mismatch) -> str:
 # of qlab over 2000 seeds. atol covers KL near 0 (the identical and quantization-like
 # cases); the wrong answers are off by factors.
 @task("kl_divergence", "kl_divergence", points=3,
+      implements=("qlab.metrics.kl_divergence",),
       reference=lambda p_logits, q_logits: qlab.metrics.kl_divergence(p_logits, q_logits),
       compare=close(rtol=1e-4, atol=1e-5, explain=_kl_explain),
       signature="kl_divergence(p_logits (..., V), q_logits (..., V)) -> float (nats)")
@@ -176,6 +178,7 @@ def _flip_explain(args, m: Mismatch) -> str:
 # 6e-8 relative, of qlab's float64), while one flip more or less changes it by at
 # least 1/N of itself (N <= 36 positions here). No argmax ties in the inputs.
 @task("flip_rate", "flip_rate", points=2,
+      implements=("qlab.metrics.flip_rate",),
       reference=lambda a_logits, b_logits: qlab.metrics.flip_rate(a_logits, b_logits),
       compare=close(rtol=1e-6, explain=_flip_explain),
       signature="flip_rate(a_logits (..., V), b_logits (..., V)) -> float in [0, 1]")

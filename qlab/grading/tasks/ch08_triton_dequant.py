@@ -38,6 +38,7 @@ def _byte_note(packed: torch.Tensor, r: int, k: int) -> str:
 
 
 @task("triton_unpack_int4", "unpack_int4_triton", points=2,
+      implements=("qlab.unpack_int4",),
       reference=lambda packed: qlab.unpack_int4(packed, signed=True),
       compare=exact(explain=lambda args, m: _byte_note(args[0], *m.index) + ", sign-extended"),
       signature="unpack_int4_triton(packed uint8 (R, B)) -> int8 codes (R, 2 * B)")
@@ -65,6 +66,7 @@ def _dequant_explain(args, m: Mismatch) -> str:
 
 # code * fp16 scale is exact in float32: the kernel must match bit for bit
 @task("triton_dequant", "dequant_int4", points=3,
+      implements=("qlab.dequantize", "qlab.kernels.dequantize_int4"),
       reference=lambda packed, scales, group: qlab.dequantize(int4_qtensor(packed, scales, group)),
       compare=exact(explain=_dequant_explain),
       signature="dequant_int4(packed uint8 (R, K/2), scales fp16 (R, K/g), g) -> fp32 (R, K)")

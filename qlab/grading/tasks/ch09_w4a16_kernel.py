@@ -65,6 +65,7 @@ def _weights(g: torch.Generator, n: int, k: int, group: int):
 
 
 @task("w4a16_gemv", "w4a16_gemv", points=3, reference=_reference, compare=TOL,
+      implements=("qlab.dequantize", "qlab.kernels.dequantize_int4", "qlab.kernels.w4a16_linear"),
       signature="w4a16_gemv(x fp16 (K,), packed (N, K/2), scales (N, K/g), g) -> fp32 (N,)")
 def _gemv_cases(g: torch.Generator):
     cases = []
@@ -76,6 +77,7 @@ def _gemv_cases(g: torch.Generator):
 
 
 @task("w4a16_gemm", "w4a16_gemm", points=3, reference=_reference, compare=TOL,
+      implements=("qlab.dequantize", "qlab.kernels.dequantize_int4", "qlab.kernels.w4a16_linear"),
       signature="w4a16_gemm(x fp16 (M, K), packed (N, K/2), scales (N, K/g), g) -> fp32 (M, N)")
 def _gemm_cases(g: torch.Generator):
     cases = []

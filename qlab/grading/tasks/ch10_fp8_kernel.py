@@ -43,6 +43,7 @@ def _act_explain(args, m: Mismatch) -> str:
 
 
 @task("fp8_act_quant", "fp8_quantize_rows", points=3, reference=lambda x: _act_reference(x),
+      implements=("qlab.quantize", "qlab.kernels.quantize_act_fp8"),
       compare=exact(names=("codes", "scales"), explain=_act_explain),
       signature="fp8_quantize_rows(x (M, K)) -> (codes uint8 (M, K), scales fp32 (M,))")
 def _act_cases(g: torch.Generator):
@@ -103,6 +104,7 @@ def _act_edges(g: torch.Generator) -> torch.Tensor:
 # fp8 x fp8 products are exact in fp32; only the order of the fp32 sums and of the
 # two scale multiplications differ: <= K * 2**-23 of sum |terms| (~1e-5 here)
 @task("fp8_gemm", "fp8_matmul", points=3,
+      implements=("qlab.kernels.fp8_scaled_mm", "qlab.pipelines.w8a8_reference"),
       reference=lambda q_x, s_x, q_w, s_w: _gemm_reference(q_x, s_x, q_w, s_w),
       compare=close(rtol=1e-4, atol=1e-4, explain=lambda args, m: _gemm_explain(args, m)),
       signature="fp8_matmul(q_x u8 (M, K), s_x (M,), q_w u8 (N, K), s_w (N,)) -> fp32 (M, N)")

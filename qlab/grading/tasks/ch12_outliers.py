@@ -6,6 +6,7 @@ the answer (tests/grading/mutants_ch12.py holds a mutant per clause):
 smooth_scales(act_absmax, weight_absmax, alpha) -> float32 (K,)
   S1 s = a^alpha / w^(1 - alpha): activations over weights ..... every case (alpha 0, 1 too)
   S2 s = 1 on a channel where a = 0 OR w = 0 (not clamped) ..... a dead channel in every case
+  S3 returned as float32 (the dtype is graded) ................. every case
 fwht(x (..., n)) -> float32 (..., n)
   F1 orthonormal: divided by sqrt(n) once, 12-point part included .. every case
   F2 the butterfly is (a + b, a - b) ................................. every case
@@ -18,14 +19,27 @@ llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)
   I4 the rest int8 with fp16 scales per token and per output channel,
      from the rows with the outlier columns removed ................. every case
   I5 an all-zero int8 row (scale 0) gives 0, not NaN ................ the third case
+  I6 w's outlier columns zeroed too before its scales (w is largest
+     there in every row of the "traps" case) .......................... "traps"
+  I7 v / s with the STORED fp16 scale, not the float32 one ........... "traps" row 1
+  I8 round half to even, a true division v / s (not v * (1 / s)) .... "traps" row 0 ties
+  I9 the float32 absmax divided, then rounded to fp16 ................ "traps" row 2
 """
 
 from __future__ import annotations
 
 import torch
 
-from qlab.grading.registry import close, tasks_for
-from qlab.grading.tasks._inputs import choice, randint, weights
+from qlab.grading.registry import Mismatch, close, tasks_for
+from qlab.grading.tasks._inputs import (
+    choice,
+    fp16_amax_trap,
+    fp16_scale_straddle,
+    randint,
+    reciprocal_trap,
+    weights,
+)
+from qlab.grading.tasks._spec import num
 from qlab.ptq import fwht, mixed_precision_matmul, smooth_scales
 
 task = tasks_for("12_outliers")
@@ -56,6 +70,7 @@ def _smooth_cases(g: torch.Generator):
 
 
 task("smooth_scales", "smooth_scales", points=2,
+     implements=("qlab.ptq.smooth_scales",),
      reference=lambda act_absmax, weight_absmax, alpha: smooth_scales(act_absmax,
                                                                       weight_absmax, alpha),
      compare=close(rtol=1e-6),
@@ -80,6 +95,7 @@ def _fwht_cases(g: torch.Generator):
 
 
 task("fwht", "fwht", points=3, reference=lambda x: fwht(x), compare=close(rtol=1e-5, atol=2e-5),
+     implements=("qlab.ptq.fwht", "qlab.ptq.hadamard"),
      signature="fwht(x (..., n)) -> float32 (..., n), n = 2^k or 12 * 2^k")(_fwht_cases)
 
 
@@ -109,10 +125,78 @@ def _int8_cases(g: torch.Generator):
     cases.append((x, w, t))
     x = weights(g, (randint(g, 2, 6), 32), scale=1.0)  # no outliers at all: pure int8
     cases.append((x, weights(g, (randint(g, 2, 6), 32), scale=0.5), 100.0))
+    cases.append(_int8_traps(g))
     return cases
 
 
+def _int8_traps(g: torch.Generator):
+    """Rows 0-2 of x (no outliers) read one code each through one-hot rows of w, so a single
+    wrong int8 code shows: row 0 exact ties (k + 1/2) s on a reciprocal-trap fp16 scale s
+    (amax = 127 s exactly), row 1 an fp16 straddle at column 9, row 2 an absmax whose fp16
+    rounding before / 127 moves s_x. Row 3 puts column 15 in the outliers; every row of w
+    is largest there (37x), so a w scale taken before zeroing that column is 37x coarser."""
+    t, k = 6.0, randint(g, 1, 31)
+    step = reciprocal_trap(g, k) * 2.0 ** randint(g, -8, -6)  # 127 step < 4 < threshold
+    x = torch.empty(4, 16).uniform_(-126, 126, generator=g).round() * step
+    x[0, :8] = torch.tensor([0.5, 2.5, -1.5, -0.5, 1.5, -2.5, k + 0.5, 127.0]) * step
+    amax, xk = fp16_scale_straddle(g, 127, 126)
+    x[1] = (x[1] / (127 * step)) * amax
+    x[1, 9], x[1, 14] = xk, -amax
+    amax = fp16_amax_trap(g, 127)
+    x[2] = (x[2] / (127 * step) * amax).clamp(-amax, amax)
+    x[2, 13] = amax
+    x[:3, 15] = 0.0
+    x[3] = weights(g, (16,), scale=0.5).clamp(-3.0, 3.0)
+    x[3, 15] = t + 1.3  # the only outlier: column 15
+    cols = torch.tensor([0, 1, 2, 3, 4, 5, 6, 9, 13])
+    mag = torch.logspace(-1, 1, len(cols)) * torch.where(
+        torch.rand(len(cols), generator=g) < 0.5, -1.0, 1.0
+    )
+    w = torch.zeros(len(cols) + 1, 16)
+    w[torch.arange(len(cols)), cols] = mag
+    w[-1, :15] = weights(g, (15,), scale=0.1)
+    w[:, 15] = 37.3 * torch.cat([mag.abs(), torch.ones(1)])  # each row's absmax
+    return (x, w[torch.randperm(len(cols) + 1, generator=g)], t)
+
+
+def _int8_codes_note(name: str, v: torch.Tensor) -> str:
+    """The scale of one int8 row v (outlier columns zeroed) and the columns where the spec's
+    v / s differs from a common variant: an exact tie, x * (1 / s), the float32 scale."""
+    s32 = v.abs().max() / 127
+    s = s32.half().float()
+    head = f"{name}: s = fp16(max|row| / 127) = {num(s)}"
+    if s32.half() != (v.abs().max().half().float() / 127).half():
+        head += " (fp16(max|row|) / 127 would give another s: divide first, then round)"
+    if s == 0:
+        return head + " (an all-zero row: codes 0)"
+    u = v / s
+    notes = {
+        "exact ties v / s (round half to even)": ((u - u.floor()) == 0.5),
+        "v * (1 / s) rounds otherwise (divide)": torch.round(v * (1 / s)) != torch.round(u),
+        "v / the float32 s rounds otherwise (use the fp16 s)": torch.round(v / s32)
+        != torch.round(u),
+    }
+    for what, where in notes.items():
+        if where.any():
+            head += f"; {what} at columns {where.nonzero().flatten().tolist()[:6]}"
+    return head
+
+
+def _int8_explain(args, m: Mismatch) -> str:
+    x, w, threshold = args
+    r, n = m.index
+    cols = (x.abs() >= threshold).any(dim=0)
+    return (
+        f"outlier columns {cols.nonzero().flatten().tolist()} (some |x| >= {threshold}) are "
+        "multiplied in fp16 and zeroed in x AND w for the int8 part; "
+        + _int8_codes_note(f"x row {r}", x[r].masked_fill(cols, 0.0))
+        + "; "
+        + _int8_codes_note(f"w row {n}", w[n].masked_fill(cols, 0.0))
+    )
+
+
 task("llm_int8_matmul", "llm_int8_matmul", points=3,
+     implements=("qlab.ptq.mixed_precision_matmul",),
      reference=lambda x, w, threshold: mixed_precision_matmul(x, w, threshold, "int8"),
-     compare=close(rtol=2e-5, atol=2e-5),
+     compare=close(rtol=2e-5, atol=2e-5, explain=_int8_explain),
      signature="llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)")(_int8_cases)

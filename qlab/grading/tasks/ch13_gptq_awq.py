@@ -8,12 +8,18 @@ gptq_hinv(h, damp) -> U
   H2 ... before dampening: damp * mean(diag H) includes those 1s ............ every case
   H3 dampening relative to mean(diag H), not an absolute damp ............... every case
   H4 U is the UPPER Cholesky factor of H^-1 (U^T U = H^-1), not of H ........ every case
+  H5 h is not modified in place (the harness compares it after the call) .... every case
 gptq_block(w, u, bits, group_size) -> (codes, scales, err)
   B1 round half to even ..................................... "edges": column 0, exact ties
   B2 fp16 scales ........................................................... every case
   B3 a group's scale from its columns AFTER the earlier columns' updates .. "edges": group 1
   B4 err = (w - q) / U_ii .................................................. every case
   B5 the columns after i move by err_i * U[i, i:] (row i of U) ............. every case
+  B6 the scale from the float32 absmax, divided in float32 (float64 rounds
+     once where float32 rounds twice) ....................... "edges": group 3 absmax
+  B7 codes from a float32 division fp32(w) / s (not float64) . "edges": group 3, column 0
+  B8 w is not modified in place (the harness compares it after the call) .... every case
+  B9 codes clamped to +-qmax (an update pushes a value past qmax * s) ..... "edges": group 4
   (and an all-zero group of dead inputs, "edges" group 2: scale 0, codes 0, err 0)
 awq_scale(x, w, alpha, bits, group_size) -> (s, err)
   A1 s from the MEAN of |x| per channel ..................................... every case
@@ -24,6 +30,8 @@ awq_scale(x, w, alpha, bits, group_size) -> (s, err)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -71,6 +79,7 @@ def _hinv_compare(expected, got, args):
 
 
 task("gptq_hinv", "gptq_hinv", points=2, reference=_hinv_reference, compare=_hinv_compare,
+     implements=("qlab.ptq.gptq.upper_cholesky_of_inverse", "qlab.ptq.gptq.prepare_hessian"),
      signature="gptq_hinv(h float64 (K, K), damp) -> U float64 (K, K), upper triangular"
      )(_hinv_cases)
 
@@ -95,11 +104,47 @@ def _random_block(g: torch.Generator):
     return (w, _upper(g, b, []), randint(g, 2, 8), gs)
 
 
+def _amax_trap(g: torch.Generator, qmax: int) -> tuple[float, float]:
+    """(a, h): a float64 absmax a whose float32 path fp16(fp32(fp32(a) / qmax)) gives the
+    float16 value h while float64 division, fp16(fp32(a / qmax)), gives the next float16
+    (torch converts float64 to float16 through float32). a = m qmax (1 + d), m the midpoint
+    above h (h with an even last bit): fp32(a) = m qmax exactly, / qmax = m, a tie that goes
+    to h; a / qmax = m (1 + d) is more than half a float32 ulp above m, so it goes up."""
+    for _ in range(200):
+        mantissa, exponent = 1024 + 2 * randint(g, 0, 511), -(10 + randint(g, 2, 7))
+        h, mid = mantissa * 2.0**exponent, (mantissa + 0.5) * 2.0**exponent
+        m_mid = mid / 2.0 ** math.floor(math.log2(mid))  # significands in [1, 2)
+        prod = mid * qmax  # <= 12 + 7 significant bits: exact in float32
+        m_prod = prod / 2.0 ** math.floor(math.log2(prod))
+        a = torch.tensor(prod * (1 + 2.0**-24 * (1 / m_mid + 1 / m_prod) / 2), dtype=torch.float64)
+        right = (a.float() / qmax).half()
+        if right == h and (a / qmax).float().half() != right:
+            return float(a), h
+    raise RuntimeError(f"no float64 absmax trap for qmax {qmax}")
+
+
+def _float64_traps(g: torch.Generator, n: int, gs: int, qmax: int) -> torch.Tensor:
+    """A group (n, gs) whose row r has an _amax_trap absmax (B6: float64 arithmetic gives
+    the next float16 scale) and in column 0 +-(k + 1/2) h_r (1 + 2^-35), k even: float32
+    rounds it to the exact tie, which goes to k; float64 sees it above the tie: k + 1 (B7)."""
+    grp = torch.rand(n, gs, generator=g, dtype=torch.float64) * 2 - 1
+    for r in range(n):
+        a, h = _amax_trap(g, qmax)
+        k = 2 * randint(g, 0, (qmax - 1) // 2)
+        sign = choice(g, (1.0, -1.0))
+        grp[r] *= (qmax - 1) * h
+        grp[r, 0] = sign * (k + 0.5) * h * (1 + 2.0**-35)
+        grp[r, randint(g, 1, gs - 1)] = -sign * a
+    return grp
+
+
 def _edge_block(g: torch.Generator):
-    """Three groups. Group 0: every row's largest |w| is exactly qmax * 2^-e (so the fp16
+    """Five groups. Group 0: every row's largest |w| is exactly qmax * 2^-e (so the fp16
     scale is 2^-e, exact) and column 0 holds exact ties (k + 1/2) * 2^-e with k even, where
     half-to-even and half-away differ (B1). Group 1 is quantized after the updates of group
-    0's columns have moved it (B3). Group 2 is dead: zero weights, no updates."""
+    0's columns have moved it (B3). Group 2 is dead: zero weights, no updates. Group 3:
+    _float64_traps (B6, B7), which no earlier column updates (its U entries are 0). Group 4
+    (also left alone by earlier columns): an update that the clamp must cut back (B9)."""
     bits, gs = randint(g, 3, 5), choice(g, (4, 8))
     qmax, n = 2 ** (bits - 1) - 1, randint(g, 4, 8)
     step = 2.0 ** -torch.randint(2, 8, (n, 1), generator=g).double()
@@ -109,8 +154,20 @@ def _edge_block(g: torch.Generator):
     grp0[:, 0] = sign * (k_even + 0.5).double() * step[:, 0]
     grp0[torch.arange(n), torch.randint(1, gs, (n,), generator=g)] = qmax * step[:, 0]
     grp1 = torch.randn(n, gs, generator=g, dtype=torch.float64) * step * qmax / 2
-    w = torch.cat([grp0, grp1, torch.zeros(n, gs, dtype=torch.float64)], dim=1)
-    return (w, _upper(g, 3 * gs, list(range(2 * gs, 3 * gs))), bits, gs)
+    grp3 = _float64_traps(g, n, gs, qmax)
+    # group 4: column 0 rounds off by 0.4 step; U[i, i + 1] = 3 U[i, i] then pushes column
+    # 1, the group's absmax qmax * step, to (qmax + 1.2) * step: the clamp must act (B9)
+    grp4 = (torch.rand(n, gs, generator=g, dtype=torch.float64) * 2 - 1) * (qmax - 1) * step
+    sign = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).double()
+    k = torch.randint(0, qmax, (n,), generator=g).double()
+    grp4[:, 0] = sign * (k + 0.4) * step[:, 0]
+    grp4[:, 1] = -sign * qmax * step[:, 0]
+    w = torch.cat([grp0, grp1, torch.zeros(n, gs, dtype=torch.float64), grp3, grp4], dim=1)
+    u = _upper(g, 5 * gs, list(range(2 * gs, 3 * gs)))
+    u[: 3 * gs, 3 * gs :] = 0.0  # groups 3 and 4 are quantized as they were given
+    u[3 * gs : 4 * gs, 4 * gs :] = 0.0
+    u[4 * gs, 4 * gs + 1] = 3 * u[4 * gs, 4 * gs]
+    return (w, u, bits, gs)
 
 
 def _block_cases(g: torch.Generator):
@@ -137,6 +194,7 @@ def _block_compare(expected, got, args):
 
 
 task("gptq_block", "gptq_block", points=4, reference=_block_reference, compare=_block_compare,
+     implements=("qlab.ptq.gptq.gptq_block", "qlab.ptq.gptq"),
      signature=("gptq_block(w float64 (N, B), u float64 (B, B), bits, group_size) -> "
                 "(codes int8 (N, B), scales float16 (N, B // group_size), err float64 (N, B))")
      )(_block_cases)
@@ -187,6 +245,7 @@ def _awq_compare(expected, got, args):
 
 
 task("awq_scale", "awq_scale", points=3, reference=_awq_reference, compare=_awq_compare,
+     implements=("qlab.ptq.awq.awq_scales", "qlab.ptq.awq.awq_weight", "qlab.ptq.awq"),
      signature=("awq_scale(x float32 (n, K), w float32 (N, K), alpha, bits, group_size) -> "
                 "(s float32 (K,), err float)")
      )(_awq_cases)

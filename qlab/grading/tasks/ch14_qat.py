@@ -13,12 +13,16 @@ ste_fake_quantize(x, bits, group_size, grad_y) -> (y, grad_x)
   T4 grad 0 beyond: an fp16 scale rounded down clamps the max .......... "edges", row 1
   T5 the mask is on x itself, not on round(x / s) ...................... "edges", row 1
   T6 all-zero group: divide by 1, y = 0, the gradient passes ........... "edges", row 2
+  T7 s = fp16(float32 amax / qmax), not fp16(fp16(amax) / qmax) ........ "amax trap"
+  T8 u = x / s, a true division (not x * (1 / s)) ....................... "reciprocal"
 lsq_quantize(x, scale, bits, grad_scale, grad_y) -> (y, grad_x, grad_scale)
   L1 y = clamp(round(x / s), -Q, Q) * s, round half to even ............ "edges", ties
   L2 grad_x: STE inside [-Q s, Q s] (ends included), 0 beyond .......... "edges", row 0
   L3 ds: round(u) - u inside, -Q / +Q where clamped .................... every case
   L4 x == +-Q s exactly counts as inside (ds = 0, not +-Q) ............. "edges", row 0
   L5 summed over each group's elements, times grad_scale ............... every case
+  L6 grad_scale is the argument (a random one), not LSQ's 1/sqrt(N Q) ... "edges", 3rd case
+  L7 u = x / s, a true division (not x * (1 / s)) ....................... "reciprocal"
   (and an all-zero group, "edges" row 0: y = 0, no NaN, ds = 0; with the given scale > 0
   no rule above can break it, so it has no mutant of its own)
 """
@@ -28,7 +32,13 @@ from __future__ import annotations
 import torch
 
 from qlab.grading.registry import compare_values, exact, tasks_for
-from qlab.grading.tasks._inputs import choice, randint, weights
+from qlab.grading.tasks._inputs import (
+    choice,
+    fp16_amax_trap,
+    randint,
+    reciprocal_trap,
+    weights,
+)
 from qlab.qat import fake_quantize_ste, lsq_fake_quantize, lsq_grad_scale
 
 task = tasks_for("14_qat")
@@ -39,6 +49,16 @@ def _fp16_step(g: torch.Generator) -> float:
     """A random step that float16 holds exactly (11 significant bits), ~1e-3 .. 4e-2."""
     mantissa = randint(g, 1024, 2047)
     return mantissa * 2.0 ** (randint(g, -10, -5) - 10)
+
+
+def _reciprocal_group(g: torch.Generator, n: int, qmax: int) -> tuple[torch.Tensor, float]:
+    """(x (n,), s): an fp16 step s (amax qmax * s, exact) at which x = +-(k + 1/2) s divides
+    to an exact tie while x * (1 / s) rounds to the other neighbour (qmax >= 2)."""
+    k = randint(g, 1, min(qmax - 1, 31))
+    s = reciprocal_trap(g, k) * 2.0 ** randint(g, -8, -4)
+    x = torch.randint(-qmax, qmax + 1, (n,), generator=g).float() * s
+    x[:3] = torch.tensor([qmax * s * choice(g, (1.0, -1.0)), (k + 0.5) * s, -(k + 0.5) * s])
+    return x[torch.randperm(n, generator=g)], s
 
 
 # --------------------------------------------------------------------------- STE
@@ -76,6 +96,14 @@ def _ste_cases(g: torch.Generator):
     x = torch.stack([torch.cat(r) for r in rows])
     grad_y = torch.randn(x.shape, generator=g).sign() * (1.0 + torch.rand(x.shape, generator=g))
     cases.append((x, bits, gs, grad_y))
+    bits, gs = randint(g, 3, 8), choice(g, (8, 16))  # amax trap: fp16(amax) / qmax is off
+    amax = fp16_amax_trap(g, 2 ** (bits - 1) - 1)
+    x = weights(g, (1, gs), scale=amax / 3).clamp(-amax, amax)
+    x[0, randint(g, 0, gs - 1)] = amax * choice(g, (1.0, -1.0))
+    cases.append((x, bits, gs, torch.randn(x.shape, generator=g)))
+    bits, gs = randint(g, 3, 8), choice(g, (8, 16))  # reciprocal: x * (1 / s) moves a tie
+    x = _reciprocal_group(g, gs, 2 ** (bits - 1) - 1)[0][None]
+    cases.append((x, bits, gs, torch.randn(x.shape, generator=g)))
     return cases
 
 
@@ -87,6 +115,7 @@ def _ste_reference(x, bits, group_size, grad_y):
 
 
 task("ste_fake_quantize", "ste_fake_quantize", points=3, reference=_ste_reference,
+     implements=("qlab.qat.fake_quantize_ste",),
      compare=exact(names=("y", "grad_x")),
      signature="ste_fake_quantize(x (R, K), bits, group_size, grad_y (R, K)) -> (y, grad_x)"
      )(_ste_cases)
@@ -113,7 +142,8 @@ def _lsq_edge_case(g: torch.Generator):
     amax1 = row1.reshape(2, gs).abs().amax(dim=-1)
     scale = torch.stack([torch.tensor([s, s]), 0.6 * amax1 / qmax]).float()
     grad_y = torch.randn(x.shape, generator=g).sign() * (1.0 + torch.rand(x.shape, generator=g))
-    return (x, scale, bits, lsq_grad_scale(gs, qmax), grad_y)
+    grad_scale = float(torch.empty(()).uniform_(0.05, 2.0, generator=g))  # not LSQ's own
+    return (x, scale, bits, grad_scale, grad_y)
 
 
 def _lsq_cases(g: torch.Generator):
@@ -127,6 +157,11 @@ def _lsq_cases(g: torch.Generator):
         scale = (factor * amax / qmax).float()
         cases.append((x, scale, bits, lsq_grad_scale(gs, qmax), torch.randn(x.shape, generator=g)))
     cases.append(_lsq_edge_case(g))
+    bits, gs = randint(g, 3, 8), choice(g, (8, 16))  # reciprocal: x * (1 / s) moves a tie
+    qmax = 2 ** (bits - 1) - 1
+    row, s = _reciprocal_group(g, gs, qmax)
+    grad_y = torch.randn(1, gs, generator=g)
+    cases.append((row[None], torch.tensor([[s]]), bits, lsq_grad_scale(gs, qmax), grad_y))
     return cases
 
 
@@ -159,6 +194,7 @@ def _lsq_compare(expected, got, args):
 
 
 task("lsq_quantize", "lsq_quantize", points=3, reference=_lsq_reference, compare=_lsq_compare,
+     implements=("qlab.qat.lsq_fake_quantize",),
      signature=("lsq_quantize(x (R, K), scale (R, G), bits, grad_scale, grad_y (R, K)) "
                 "-> (y, grad_x, grad_scale (R, G))")
      )(_lsq_cases)

@@ -20,6 +20,9 @@ quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))
   Q3 ties round half AWAY from zero (both signs) ......................... "edges" row 0
   Q4 codes from the float32 d; d rounded to float16 only when stored ..... "edges" row 3
   Q5 an all-zero block: d = 0, q = 0 ..................................... "edges" row 4
+  Q6 roundf exactly: +-0.49999997 gives 0 (floor(|y| + 0.5) and
+     trunc(y + copysign(0.5, y)) give +-1: |y| + 0.5 rounds to 1.0) ...... "edges" row 5
+  Q7 d = absmax / 127, a division (absmax * (1 / 127) moves a code) ..... "edges" row 6
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import torch
 
 import qlab
 import qlab.gguf as G
-from qlab.grading.registry import exact, tasks_for
-from qlab.grading.tasks._inputs import randint, weights
+from qlab.grading.registry import Mismatch, exact, tasks_for
+from qlab.grading.tasks._inputs import choice, randint, rounding_splits, weights
+from qlab.grading.tasks._spec import num
 from qlab.scales import round_half_away
 
 task = tasks_for("15_gguf")
@@ -73,6 +77,9 @@ def _q4_0_cases(g: torch.Generator):
 
 
 task("q4_0_decode", "decode_q4_0", points=3,
+     implements=("qlab.gguf.types.dequantize",
+                 "qlab.gguf.legacy.dequantize",
+                 "qlab.gguf.legacy.unpack",),
      reference=lambda blocks: G.from_bytes("Q4_0", (len(blocks), 32), blocks).dequantize(),
      compare=exact(), signature="decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)")(_q4_0_cases)
 
@@ -111,6 +118,7 @@ def _q4k_reference(blocks: torch.Tensor):
 
 
 task("q4_k_scales", "q4k_scales", points=3, reference=_q4k_reference,
+     implements=("qlab.gguf.kquants.unpack_scales_k4",),
      compare=exact(names=("scales", "mins")),
      signature="q4k_scales(blocks uint8 (n, 144)) -> (scales float32 (n, 8), mins (n, 8))"
      )(_q4k_cases)
@@ -151,14 +159,48 @@ def _fp16_trap(g: torch.Generator) -> torch.Tensor:
     raise RuntimeError("no fp16 trap found")
 
 
+BELOW_HALF = 0.5 - 2.0**-25  # 0.49999997, the float32 just below one half
+
+
+def _roundf_trap(g: torch.Generator) -> torch.Tensor:
+    """d = 1 (absmax 127): y = x exactly. +-0.49999997, where roundf gives 0 but |y| + 0.5
+    rounds to 1.0 in float32, next to ties and other values one ulp from a half."""
+    near = torch.tensor([BELOW_HALF, 0.5, 1.5, 2.5])
+    near = torch.cat([near, torch.nextafter(near[1:], torch.zeros(3))])  # ulp below the ties
+    row = weights(g, (32,), scale=20.0).clamp(-126, 126)
+    row[: 1 + 2 * len(near)] = torch.cat([torch.tensor([127.0]), near, -near])
+    return row[torch.randperm(32, generator=g)]
+
+
+def _d_division_trap(g: torch.Generator) -> torch.Tensor:
+    """A block whose d = absmax / 127 differs from absmax * fp32(1 / 127) in float32, with
+    an x whose code differs between the two reciprocals of d."""
+    inv127 = torch.tensor(1.0) / 127
+    for _ in range(500):
+        amax = torch.empty(()).uniform_(0.5, 4.0, generator=g)
+        inv_a, inv_b = 1.0 / (amax / 127), 1.0 / (amax * inv127)
+        if inv_a == inv_b:
+            continue
+        hits = rounding_splits(lambda v, i=inv_a: round_half_away(v * i),
+                               lambda v, i=inv_b: round_half_away(v * i),
+                               (torch.arange(30, 121) + 0.5) / inv_a, g)  # near code ties
+        if hits.numel():
+            block = weights(g, (32,), scale=float(amax) / 4).clamp(-0.99 * amax, 0.99 * amax)
+            block[0], block[7] = amax * choice(g, (1.0, -1.0)), hits[0]
+            return block
+    raise RuntimeError("no absmax / 127 trap found")
+
+
 def _q8_edges(g: torch.Generator) -> torch.Tensor:
     """Row 0: ties k + 0.5 of both signs at d = 1; row 1: the absmax is negative; row 2:
-    the reciprocal trap; row 3: the fp16 trap; row 4: all zeros."""
+    the reciprocal trap; row 3: the fp16 trap; row 4: all zeros; row 5: roundf's
+    0.49999997; row 6: absmax / 127 against absmax * (1 / 127)."""
     ties = torch.arange(-15, 16, dtype=torch.float32)[:31] + 0.5
     row0 = torch.cat([torch.tensor([127.0]), ties])
     row1 = weights(g, (32,), scale=0.1)
     row1[randint(g, 0, 31)] = -row1.abs().max() * 3
-    rows = [row0, row1, _reciprocal_trap(g), _fp16_trap(g), torch.zeros(32)]
+    rows = [row0, row1, _reciprocal_trap(g), _fp16_trap(g), torch.zeros(32), _roundf_trap(g),
+            _d_division_trap(g)]
     return torch.stack(rows)
 
 
@@ -173,7 +215,40 @@ def _q8_reference(x: torch.Tensor):
     return qt.scales, qt.codes
 
 
+def _q8_explain(args, m: Mismatch) -> str:
+    """llama.cpp's operations at the first bad element, and the variant that differs there."""
+    (x,) = args
+    r, c = m.index
+    j = c if m.output == "d" else c // 32
+    block = x[r, 32 * j : 32 * (j + 1)]
+    amax = block.abs().max()
+    d = amax / 127
+    head = f"block {j} of row {r}: absmax = {num(amax)}, d = absmax / 127 = {num(d)} (float32)"
+    if amax * (torch.tensor(1.0) / 127) != d:
+        head += f"; absmax * (1 / 127) = {num(amax * (torch.tensor(1.0) / 127))} differs: divide"
+    if m.output == "d" or d == 0:
+        return head + ("; an all-zero block: d = 0, codes 0" if d == 0 else "")
+    inv = 1.0 / d
+    v = x[r, c]
+    y = v * inv
+    note = f"{head}; id = 1 / d = {num(inv)}; x = {num(v)}, x * id = {num(y)}"
+    if round_half_away(v / d) != round_half_away(y):
+        note += f" (x / d = {num(v / d)} rounds otherwise: multiply by id, as llama.cpp does)"
+    if round_half_away(v * (1.0 / d.half().float())) != round_half_away(y):
+        note += " (the codes come from the float32 d; d is rounded to float16 only when stored)"
+    if (y - y.trunc()).abs() == 0.5:
+        note += f": a tie, roundf rounds half away from zero: {int(round_half_away(y))}"
+    elif y.abs() == BELOW_HALF:
+        note += (": just below one half, roundf gives 0 (floor(|y| + 0.5) gives 1: |y| + 0.5 "
+                 "rounds up to 1.0 in float32)")
+    return note
+
+
 task("q8_0_quantize", "quantize_q8_0", points=2, reference=_q8_reference,
-     compare=exact(names=("d", "q")),
+     implements=("qlab.quantize",
+                 "qlab.gguf.types.quantize",
+                 "qlab.gguf.legacy.quantize",
+                 "qlab.scales.ggml_q8_0",),
+     compare=exact(names=("d", "q"), explain=_q8_explain),
      signature="quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))"
      )(_q8_cases)

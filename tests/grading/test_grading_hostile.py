@@ -1,0 +1,324 @@
+"""Issue 24: no credit the work did not earn, and no submission that can stop or poison a class.
+
+One small class of 01_affine notebooks is graded ONCE (module fixture), the way a careless
+instructor would start it: `python -m qlab.cli grade` from the repository root with
+PYTHONPATH pointing at it, `--jobs 2`, the sandbox on, `--forbid-reference`, and a small
+budget per submission (2 GB of memory, 256 processes and threads, 256 MB of files). The
+class holds honest students and one hostile submission of each kind:
+
+- borrower: the blank exercise plus the cell that binds every graded name to the
+  registry's reference;
+- forger: `symmetric_quantize` calls `qlab.quantize`; `asymmetric_quantize` looks for
+  solutions/ and .git (the grader was started from the checkout) and fills its disk;
+  `affine_dequantize`'s result is rewritten on the wire to a float that overflows;
+- forker: forks children that allocate 512 MB each; spawner: starts 400 processes;
+- file names: non-UTF-8 bytes, the same name in a/ and b/a/, a name that a spreadsheet
+  would run as a formula, a byte-identical pair, a link to another student's notebook and
+  a link to a host file.
+Every honest submission must keep its full marks.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from qlab.grading import CheckFailed, check, get_task, sandbox
+from qlab.grading.registry import evaluate, make_cases
+from qlab.grading.similarity import normalise, pairs
+
+ROOT = Path(__file__).resolve().parents[2]
+FULL = 5
+MEM_MB, PROCS, DISK_MB = 2048, 256, 256
+SECRET = f"TOPSECRET-{os.getpid()}"
+FORMULA = '=HYPERLINK("evil")_01_affine'
+ODD = os.fsdecode(b"\xff\xfe_01_affine")  # as unzip leaves a Windows archive's name
+BIND = """
+import qlab.grading.registry as _r
+for _t in _r.all_tasks().values():
+    globals()[_t.func_name] = _t.reference
+"""
+CALLER = """
+import qlab
+
+def symmetric_quantize(x, bits):
+    qt = qlab.quantize(x, qlab.int_scheme(bits))
+    return qt.codes, qt.scales
+"""
+OVERFLOW = """
+import json
+_real_dumps = json.dumps
+
+def _dumps(obj, *args, **kwargs):  # the harness's own json.dumps, rewritten
+    return _real_dumps(obj, *args, **kwargs).replace("0x1.0000000000000p+0", "0x1p99999")
+
+json.dumps = _dumps
+
+def affine_dequantize(codes, scale, zero_point):
+    return 1.0
+"""
+CHECKOUT = [str(ROOT / n) for n in ("solutions", ".git", "tests", "README.md")]
+SNOOP_AND_FILL = f"""
+import os
+_SEEN = [p for p in {CHECKOUT!r} if os.path.exists(p)]
+
+def asymmetric_quantize(x, bits):
+    written = 0
+    try:
+        for i in range(8):  # 800 MB in files of 100 MB
+            with open(os.path.join(os.environ["HOME"], f"fill{{i}}"), "wb") as f:
+                for _ in range(100):
+                    f.write(b"\\0" * 2**20)
+                    written += 1
+    except OSError as e:
+        raise RuntimeError(f"visible: {{_SEEN}}; wrote {{written}} MB, then {{e.strerror}}")
+    raise RuntimeError(f"visible: {{_SEEN}}; wrote {{written}} MB")
+"""
+FORGER = {
+    "sym_quantize_solution": CALLER,
+    "asym_quantize_solution": SNOOP_AND_FILL,
+    "affine_dequantize_solution": OVERFLOW,
+}
+FORKER = """
+import os, time
+for _ in range(16):  # 8 GB if nothing stops it; each child within its own rlimit
+    if os.fork() == 0:
+        try:
+            _x = b"\\1" * 2**29
+            time.sleep(60)
+        finally:
+            os._exit(0)
+time.sleep(15)
+"""
+SPAWNER = """
+import subprocess
+_procs = [subprocess.Popen(["sleep", "60"]) for _ in range(400)]
+"""
+
+
+def _nb(name: str, folder: str = "solutions") -> nbformat.NotebookNode:
+    return nbformat.read(str(ROOT / folder / f"{name}.ipynb"), as_version=4)
+
+
+def _edit(nb, replace: dict[str, str] | None = None, *extra: str, note: str = ""):
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+        if replace and gid in replace:
+            cell.source = textwrap.dedent(replace[gid]).strip("\n")
+    nb.cells += [nbformat.v4.new_code_cell(textwrap.dedent(s).strip("\n")) for s in extra]
+    if note:  # a different file with the same code
+        nb.cells.append(nbformat.v4.new_markdown_cell(note))
+    return nb
+
+
+def _class(base: Path) -> dict[str, int]:
+    """Writes the class under base/subs; returns key -> expected total."""
+    sol, blank = _nb("01_affine"), _nb("01_affine", "exercises")
+    subs = base / "subs"
+    (subs / "a").mkdir(parents=True)
+    (subs / "b" / "a").mkdir(parents=True)
+    books = {
+        "alice_01_affine": (_edit(sol), FULL),
+        FORMULA: (blank, 0),
+        "borrower_01_affine": (_edit(blank, None, BIND), 0),
+        "forger_01_affine": (_edit(sol, FORGER), 0),
+        "forker_01_affine": (_edit(sol, None, FORKER), FULL),
+        "spawner_01_affine": (_edit(sol, None, SPAWNER), FULL),
+        f"a/{ODD}": (_edit(sol, note="a"), FULL),
+    }
+    for name, (nb, _) in books.items():
+        nbformat.write(nb, str(subs / f"{name}.ipynb"))
+    copy_of_a = (subs / f"a/{ODD}.ipynb").read_bytes()
+    (subs / f"b/a/{ODD}.ipynb").write_bytes(copy_of_a)  # byte for byte the same file
+    (base / "secret.txt").write_text(SECRET)
+    os.symlink(subs / "alice_01_affine.ipynb", subs / "linker_01_affine.ipynb")
+    os.symlink(base / "secret.txt", subs / "hostlink_01_affine.ipynb")
+    expected = {name: total for name, (_, total) in books.items()}
+    expected[f"subs/a/{ODD}"] = expected.pop(f"a/{ODD}")  # key: the shortest unique path
+    expected[f"b/a/{ODD}"] = FULL
+    expected.update(linker_01_affine=0, hostlink_01_affine=0)
+    return expected
+
+
+def _key(name: str) -> str:
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    if sandbox.resolve("auto").level != sandbox.BWRAP:  # CI installs bubblewrap
+        pytest.fail("bubblewrap must work here (make system-deps)")
+    base = tmp_path_factory.mktemp("hostile")
+    expected = _class(base)
+    out = base / "out"
+    argv = [sys.executable, "-m", "qlab.cli", "grade", str(base / "subs"), "--out", str(out)]
+    argv += ["--jobs", "2", "--sandbox", "on", "--forbid-reference", "--seed", "25"]
+    argv += ["--mem-mb", str(MEM_MB), "--procs", str(PROCS), "--disk-mb", str(DISK_MB)]
+    argv += ["--timeout", "60", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # as if run from a checkout, by hand
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((out / "grades.json").read_text())
+    with open(out / "grades.csv", newline="", encoding="utf-8") as f:
+        table = list(csv.DictReader(f))
+    with open(out / "similarity.csv", newline="", encoding="utf-8") as f:
+        similar = list(csv.DictReader(f))
+    return {"rows": doc["submissions"], "table": table, "similar": similar, "out": out,
+            "expected": {_key(k): v for k, v in expected.items()}}
+
+
+def _feedback(row) -> dict[str, str]:
+    return {g: t["feedback"] for g, t in row["tasks"].items()}
+
+
+def test_the_class_finishes_and_honest_marks_are_unchanged(graded):
+    rows = graded["rows"]
+    assert sorted(rows) == sorted(graded["expected"])
+    for key, want in graded["expected"].items():
+        row = rows[key]
+        assert row["status"] == "graded", (key, row["log"])
+        assert (row["total"], row["max"]) == (want, FULL), (key, _feedback(row), row["log"])
+
+
+def test_borrowing_is_recorded_and_forbidden(graded):
+    borrower = graded["rows"]["borrower_01_affine"]
+    for gid, task in borrower["tasks"].items():
+        assert task["uses_reference"], gid
+        assert "--forbid-reference" in task["feedback"] and "passes only because" in task[
+            "feedback"], task["feedback"]
+    forger = graded["rows"]["forger_01_affine"]["tasks"]
+    assert forger["sym_quantize"]["uses_reference"] == ["qlab.quantize"]
+    assert "calls qlab.quantize; the exercise asks you to write it" in forger["sym_quantize"][
+        "feedback"]
+    assert forger["asym_quantize"]["uses_reference"] == []  # raised: nothing borrowed
+    by = {r["submission"]: r for r in graded["table"]}
+    assert by["borrower_01_affine"]["uses_reference"] == "sym_quantize asym_quantize " \
+        "affine_dequantize"
+    assert by["forger_01_affine"]["uses_reference"] == "sym_quantize"
+    assert by["alice_01_affine"]["uses_reference"] == ""
+
+
+def test_an_overflowing_result_fails_only_its_task(graded):
+    fb = _feedback(graded["rows"]["forger_01_affine"])
+    assert "could not read the result (OverflowError" in fb["affine_dequantize"]
+
+
+def test_the_checkout_is_not_mounted_and_the_disk_quota_holds(graded):
+    fb = _feedback(graded["rows"]["forger_01_affine"])
+    assert "visible: [];" in fb["asym_quantize"]  # not solutions/, .git, tests/, README.md
+    written = int(re.search(r"wrote (\d+) MB, then No space left", fb["asym_quantize"])[1])
+    assert written <= DISK_MB
+
+
+def test_fork_and_allocate_and_process_bombs_are_stopped(graded):
+    rows = graded["rows"]
+    forker, spawner = " ".join(rows["forker_01_affine"]["log"]), " ".join(
+        rows["spawner_01_affine"]["log"])
+    assert f"more than {MEM_MB} MB of memory together" in forker, forker
+    assert f"more than {PROCS} processes and threads" in spawner, spawner
+    peak = int(re.search(r"peak memory of its processes together: (\d+) MB", forker)[1])
+    print(f"fork-and-allocate: peak {peak} MB of a {MEM_MB} MB budget (8 GB attempted)")
+    assert peak < MEM_MB + 1536  # a measurement every 50 ms: at most ~1.5 children over
+
+
+def test_file_names_links_and_duplicates(graded):
+    rows, table = graded["rows"], graded["table"]
+    keys = {r["submission"] for r in table}
+    assert {f"subs/a/{_key(ODD)}", f"b/a/{_key(ODD)}"} <= keys  # both graded, none refused
+    assert "'" + FORMULA in keys  # a spreadsheet shows it, it does not run it
+    assert not any(v.startswith(("=", "+", "-", "@")) for r in table for v in r.values())
+    for name in ("linker_01_affine", "hostlink_01_affine"):
+        assert rows[name]["flags"][0].startswith("symlink:"), rows[name]
+    assert SECRET not in (graded["out"] / "grades.json").read_text()
+    odd = rows[f"b/a/{_key(ODD)}"]["flags"]
+    assert odd == [f"duplicate: the same file as subs/a/{_key(ODD)}"], odd
+    assert not any(f.startswith("duplicate") for f in rows["alice_01_affine"]["flags"])
+
+
+def test_similarity_report_pairs_copies_not_the_template(graded):
+    found = {frozenset((r["submission_a"], r["submission_b"])) for r in graded["similar"]}
+    assert frozenset(("alice_01_affine", f"subs/a/{_key(ODD)}")) in found
+    blank = {"'" + FORMULA, "borrower_01_affine"}  # the same stubs: only template
+    assert not any(pair & blank for pair in found)  # the untouched template is no answer
+    assert all(float(r["similarity"]) >= 0.8 for r in graded["similar"])
+
+
+# --- without kernels --------------------------------------------------------------------
+
+
+def test_check_says_the_function_calls_the_reference(capsys):
+    namespace: dict = {}
+    exec(textwrap.dedent(CALLER), namespace)
+    with pytest.raises(CheckFailed, match="calls qlab.quantize; the exercise asks you to write"):
+        check("sym_quantize", namespace["symmetric_quantize"], seed=1)
+    with pytest.raises(CheckFailed, match="passes only because it calls"):
+        check("asym_quantize", get_task("asym_quantize").reference, seed=1)
+
+
+def test_a_flag_without_forbid_keeps_the_points():
+    task = get_task("bits_per_weight")
+    cases = make_cases(task, 3)
+    records = [{"ok": {"__float__": float(task.reference(*c)).hex()}, "borrowed": ["x"]}
+               for c in cases]
+    kept = evaluate(task, cases, records)
+    assert kept.passed and kept.score == task.points and kept.uses_reference == ["x"]
+    refused = evaluate(task, cases, records, forbid_reference=True)
+    assert refused.score == 0 and "--forbid-reference" in refused.feedback
+
+
+def test_normalising_ignores_names_comments_and_layout():
+    a = "def f(x, n):\n    '''doc'''\n    y = torch.round(x / n)  # note\n    return y\n"
+    b = "def g(  v,k ):\n    w = torch.round(v/k)\n\n    return w"
+    assert normalise(a) == normalise(b)
+    c = "def g(v, k):\n    w = torch.floor(v / k)\n    return w"
+    assert normalise(a) != normalise(c)  # attribute names (the algorithm) are kept
+    long = "\n".join(f"y{i} = torch.round(x * {i}) + y{i - 1}" for i in range(1, 8))
+    assert pairs({"p": normalise(long), "q": normalise(long.replace("y", "z"))}) == [
+        ("p", "q", 1.0)]
+    assert pairs({"p": normalise(long), "q": normalise(long)}, set(normalise(long))) == []
+
+
+def test_every_declared_reference_resolves():
+    from qlab.grading import _harness, all_tasks
+
+    for task in all_tasks().values():
+        assert task.implements, f"{task.grade_id} declares no implements=(...)"
+        for name in task.implements:
+            assert callable(_harness._resolve(name)[2]), (task.grade_id, name)
+
+
+def test_the_supervisor_kills_a_fork_and_allocate_tree():
+    from qlab.grading.budget import Budget, Supervisor, descendants
+
+    bomb = "import os, time\nfor _ in range(12):\n    if os.fork() == 0:\n" \
+        "        x = b'1' * 2**27\n        time.sleep(30)\n        os._exit(0)\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", bomb])
+    budget = Budget(mem_bytes=512 * 2**20, threads=10_000, disk_bytes=2**40)
+    with Supervisor(budget) as sup:  # all below this process: 12 x 128 MB tried, 512 allowed
+        proc.wait(timeout=30)
+    assert proc.returncode == -9 and descendants(os.getpid()) == []
+    assert "more than 512 MB" in sup.take_reason()
+    assert sup.peak_mem < 512 * 2**20 + 2 * 2**27, sup.peak_mem  # < 2 children over
+
+
+def test_keys_for_any_name_and_formula_safe_cells():
+    from qlab.grading.grader import submission_keys
+    from qlab.grading.results import cell
+
+    odd = Path(os.fsdecode(b"c/\xff.ipynb"))
+    keys = submission_keys([Path("a/x.ipynb"), Path("b/a/x.ipynb"), odd, Path("y.ipynb")])
+    assert keys == {"a/x": Path("a/x.ipynb"), "b/a/x": Path("b/a/x.ipynb"), "\\xff": odd,
+                    "y": Path("y.ipynb")}
+    assert [cell(v) for v in ("=1+1", "+1", "-1", "@x", "\tx", "ok", 3)] == [
+        "'=1+1", "'+1", "'-1", "'@x", "'\tx", "ok", 3]

@@ -1,0 +1,41 @@
+"""How the suite runs: `make test` runs every test, `make test-fast` all but the slow
+ones (tests/conftest.py SLOW), and every run prints its slowest tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# tests/conftest.py by its path: other folders have a conftest.py of their own
+_spec = importlib.util.spec_from_file_location("qlab_tests_conftest", REPO / "tests/conftest.py")
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+SLOW = _conftest.SLOW
+
+
+def test_every_slow_entry_names_a_test_that_exists():
+    """A renamed or deleted test must leave SLOW too, or test-fast would silently grow."""
+    for entry in SLOW:
+        path, _, name = entry.partition("::")
+        assert (REPO / path).is_file(), f"SLOW names {path}, which does not exist"
+        if name:
+            source = (REPO / path).read_text()
+            assert re.search(rf"^def {name}\(", source, re.M), f"{path} has no test {name}"
+
+
+def test_make_test_runs_everything_and_test_fast_leaves_out_the_slow_tests():
+    make = (REPO / "Makefile").read_text()
+    test = re.search(r"^test: setup\n\t(.+)$", make, re.M).group(1)
+    fast = re.search(r"^test-fast: setup\n\t(.+)$", make, re.M).group(1)
+    assert test == "$(BIN)/python -m pytest tests solutions $(PYTEST_NB)"  # no -m, no -k
+    assert fast.endswith('pytest tests -m "not slow"')
+
+
+def test_every_run_prints_its_slowest_tests_and_slow_is_registered():
+    pyproject = (REPO / "pyproject.toml").read_text()  # tomllib needs Python 3.11
+    section = pyproject[pyproject.index("[tool.pytest.ini_options]") :].split("\n[", 1)[0]
+    addopts = re.search(r'^addopts = "(.*)"$', section, re.M).group(1)
+    assert "--durations=15" in addopts.split()
+    assert re.search(r'^markers = \["slow: ', section, re.M)
