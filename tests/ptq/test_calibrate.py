@@ -7,6 +7,7 @@ import torch
 
 import qlab
 from qlab.lm import quality as Q
+from qlab.lm import retrieval
 from qlab.lm.data import decode, encode, load_splits
 from qlab.ptq import calibrate as C
 from qlab.ptq import ch13_results as R
@@ -103,3 +104,18 @@ def test_shipped_results_are_reproduced(base):
     shipped, _ = R.gptq_tinylm()  # the weights the notebook runs through the kernel
     kl = Q.compare(ref, Q.logits(shipped, windows), windows).kl
     assert kl == pytest.approx(want["kl"], rel=1e-3)
+
+
+def test_shipped_minilm_hits_give_its_recalls_and_paired_changes():
+    """ch13_results.json keeps MiniLM's per-query hits so that notebook 13 can pair each
+    variant with float32 query by query; they must give the recalls and changes it stores."""
+    def hits(s: str) -> torch.Tensor:
+        return torch.tensor([c == "1" for c in s])
+
+    mini = R.load_results()["minilm"]
+    ref = hits(mini["hits_ref"])
+    assert len(ref) == mini["eval_pairs"] and float(ref.double().mean()) == mini["recall_ref"]
+    for row in mini["rows"]:
+        got = retrieval.from_hits(hits(row["hits"]), reference_hits=ref)
+        assert got.recall_at_1 == row["recall"] and got.recall_change == row["recall_change"]
+        assert list(got.recall_change_ci) == row["recall_change_ci"]
