@@ -48,6 +48,31 @@ bench: setup
 clean:
 	rm -rf $(VENV)
 
+# Optional: llama.cpp itself (llama-cpp-python, the extra `llamacpp`), to run chapter 15's
+# GGUF files in it and test them there (tests/gguf/test_gguf_llamacpp_*.py). PyPI has only
+# its source, so pip compiles llama.cpp (needs g++; cmake and ninja come from PyPI): the
+# library alone, without llava, server, tools, examples or tests. pip keeps the built wheel
+# in its wheel cache (~/.cache/pip), so a later install, after `make clean` too, does not
+# compile again. Measured cold build: 687 s user + 31 s system CPU (49 min wall-clock on two
+# cores shared with other work).
+LLAMACPP_STAMP := $(VENV)/.qlab-llamacpp
+LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+.PHONY: llamacpp
+llamacpp: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/python -m pip install -q -c constraints.txt \
+	  -e ".[llamacpp]"
+	touch $(LLAMACPP_STAMP)
+
+# The tests that run llama.cpp itself (they fail here if it is missing; `make test` skips
+# them without it: its cold build does not fit in CI's 30 minutes beside the rest).
+.PHONY: test-llamacpp
+test-llamacpp: llamacpp
+	QLAB_LLAMACPP=require $(BIN)/python -m pytest tests/gguf/test_gguf_llamacpp_runtime.py \
+	  tests/gguf/test_gguf_llamacpp_tinylm.py tests/gguf/test_gguf_llamacpp_quantize.py
+
 # Debian/Ubuntu system tools the tests use: chromium (browser tests), bubblewrap
 # (`qlab grade` sandboxes each student kernel with bwrap) and gcc (tests/gguf compiles
 # llama.cpp's quantizer as an oracle). Needs root or sudo.

@@ -182,8 +182,8 @@ def sass_main_loop(sass: str) -> dict:
     """The main loop of a kernel's SASS and what one iteration of it costs.
 
     Loops are backward branches (BRA to a lower address); the main loop is the innermost one
-    with the most tensor-core instructions, then the most global bytes loaded per thread,
-    then the most instructions (a split-K reduction loop loads too, but runs no MMA).
+    with the most tensor-core instructions, then the most instructions (a split-K reduction
+    loop may load more global bytes per thread than a K loop without MMA, but is shorter).
     Returns {"instructions", "load_bytes" (per thread, LDG + LDGSTS; predicated loads count),
     "tma_loads" (UTMALDG), "drains" (WARPGROUP.DEPBAR.LE gsb0, 0x0: every wgmma waited for),
     "mma" (HGMMA, QGMMA, HMMA), "barriers" (BAR.SYNC), "mix" (opcode -> count), "start",
@@ -215,7 +215,7 @@ def sass_main_loop(sass: str) -> dict:
         }
 
     loops = [summary(s, e) for s, e in inner]
-    return max(loops, key=lambda loop: (loop["mma"], loop["load_bytes"], loop["instructions"]))
+    return max(loops, key=lambda loop: (loop["mma"], loop["instructions"]))
 
 
 def sass_loop_body(sass: str, loop: dict) -> list[str]:
@@ -263,8 +263,9 @@ def _plans(r: dict) -> list:
     config = configs.Config(**r["config"]) if r.get("config") else None
     if r["kernel"] == "w4a16":
         g = r.get("group_size", 128)
+        words = _Fake(torch.int32, (-(-N // 32), 4 * K)) if g % w4a16.MMA_K == 0 else None
         w = w4a16.W4A16Weight(_Fake(torch.uint8, (N, K // 2)), _Fake(torch.float16, (N, K // g)),
-                              g, (N, K))  # fmt: skip
+                              g, (N, K), words)  # fmt: skip
         config = config or configs.configs_for("w4a16", M)[0]
         x, out = _Fake(x_dtype, (M, K)), _Fake(x_dtype, (M, N))
         return [w4a16.plan(x, w, out, config, sms, buffers=_fake_buffers)]

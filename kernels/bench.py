@@ -36,7 +36,6 @@ import datetime as _dt
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -56,10 +55,6 @@ MIN_REPS, MAX_REPS = 5, 200  # timed calls per row (as many as fit in rep_ms)
 TIMING = (f"median of single calls, each after reading a >= {FLUSH_MIN_BYTES >> 20} MB buffer "
           "(L2 cold and clean), CUDA events around the call")  # fmt: skip
 CUDA_FAULT_EXIT = 3  # a shape process's exit code after a CUDA fault
-# Kept for notebook 11's explanation of the previous method (weight copies in a CUDA graph);
-# the benchmark no longer uses them.
-CUDAGRAPH_BELOW_S = 50e-6
-MAX_WEIGHT_COPIES = 64
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 M_QUICK = (1, 16, 64, 256, 4096)
 M_CPU = (1, 5, 130)  # decode, small and large buckets, on the interpreter
@@ -208,14 +203,6 @@ def time_cold(fn, flush: torch.Tensor, rep_ms: float) -> float:
     torch.cuda.synchronize()
     ms = sorted(start.elapsed_time(end) for start, end in events[:reps])
     return ms[len(ms) // 2] / 1e3
-
-
-def weight_copies(weight_bytes: int, l2_bytes: int | None) -> int:
-    """(Notebook 11, the previous method.) Copies of a weight whose rotation overflows L2
-    three times over."""
-    if not l2_bytes:
-        return 1
-    return max(1, min(MAX_WEIGHT_COPIES, math.ceil(3 * l2_bytes / weight_bytes)))
 
 
 def _describe(err: BaseException) -> str:

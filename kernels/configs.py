@@ -130,12 +130,13 @@ _FP8_SWAP_AB = (
     C(block_m=16, block_n=128, block_k=128, num_warps=8, num_stages=4),
 )
 CONFIGS: dict[tuple[str, str], tuple[Config, ...]] = {
-    # W4A16 decode: the GEMV. block_n rows x block_k / 2 packed bytes per step; 16 bytes
-    # per thread per step (a 128-bit cp.async), stages of the K loop in flight.
+    # W4A16 decode: the tensor-core GEMV on the decode layout (kernels/w4a16.py). One warp
+    # per 32 rows (block_n = 32 * num_warps), 128 of K per step: 64 bytes of weights per
+    # thread per step, straight into registers (no shared memory, so no stages).
     ("w4a16", "decode"): (
-        C(block_m=1, block_n=32, block_k=128, num_warps=4, num_stages=4),
-        C(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=4),
-        C(block_m=1, block_n=16, block_k=128, num_warps=2, num_stages=6),
+        C(block_m=1, block_n=128, block_k=128, num_warps=4, num_stages=1),
+        C(block_m=1, block_n=64, block_k=128, num_warps=2, num_stages=1),
+        C(block_m=1, block_n=256, block_k=128, num_warps=8, num_stages=1),
     ),
     # W4A16 GEMM, swap-AB: block_n output features are the 64-row side of wgmma (one
     # warpgroup per 64), block_m tokens the narrow side.
@@ -166,6 +167,11 @@ CONFIGS: dict[tuple[str, str], tuple[Config, ...]] = {
     ("fp8", "large"): (C(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4),),
 }
 del C
+
+
+# The plain-layout GEMV (W4A16 at M = 1 with a group that is not a multiple of 128): block_n
+# rows x block_k / 2 packed bytes per step, 16 bytes per thread (a 128-bit cp.async).
+GEMV_PLAIN = Config(block_m=1, block_n=32, block_k=128, num_warps=4, num_stages=4)
 
 
 def m_bucket(m: int) -> str:

@@ -99,7 +99,8 @@ def flops(m: int, n: int, k: int) -> int:
 
 
 def bytes_moved(kernel: str, m: int, n: int, k: int, group_size: int = GROUP_SIZE) -> int:
-    """Every byte the kernel(s) must read and write at least once (a lower bound on traffic).
+    """Every byte the kernel(s) must read and write at least once (a lower bound on traffic:
+    a split-K launch's fp32 workspace, written and read back, is not counted).
 
     bf16 activations and outputs are 2 bytes; packed int4 is K/2 bytes per row plus its
     group metadata; fp8 is 1 byte plus an fp32 scale per row or column.

@@ -2,9 +2,13 @@
 
 Element by element, with magnitude = |x| @ |W_hat|.T (the sum of |products|):
 
-  * fp32 accumulation: both sides add the same exact products in different orders (or on
-    tensor cores that truncate): each within K * 2**-24 of magnitude of the exact sum,
-    so at most K * 2**-23 * magnitude apart;
+  * fp32 accumulation: both sides add the same products in different orders, each product
+    rounded at most once (the reference's x * w_hat can need 25 bits; the kernels'
+    x * code is exact). A sum that rounds to nearest is within about K * 2**-24 of
+    magnitude of the exact sum, so two are at most K * 2**-23 * magnitude apart: derived
+    for the CPU interpreter. Tensor cores may truncate instead (NVIDIA does not document
+    their rounding), which allows 1.5 * K * 2**-23 in the worst case; the bound keeps
+    K * 2**-23, not yet checked on a GPU;
   * W4A16 GEMM only: every weight c * s is rounded to the 16-bit dtype before the tensor
     cores see it: one ulp (2**-10 |w| in fp16, 2**-7 in bf16; one, not half, because the
     CPU interpreter truncates fp32 -> bf16), plus fp16's subnormal spacing 2**-24 per

@@ -7,15 +7,29 @@ unpacked and scaled inside the kernel and the arithmetic stays 16-bit.
 Layout (pack_w4a16, W4A16Weight.from_qtensor): the nn.Linear weight W (N = out_features,
 K = in_features) as qlab.quantize(W, "int4", g) gives it, packed by qlab.pack_int4:
 packed[n, k // 2] holds code[n, k] (even k in the low nibble), scales[n, k // g] fp16.
-Nothing is reordered: row n of `packed` is row n of W, K runs along the bytes.
+Nothing is reordered: row n of `packed` is row n of W, K runs along the bytes. When g is a
+multiple of 128 the same codes are also kept in the decode layout (`words`, pack_int4_mma):
+reordered so that each 32-bit word a thread loads is one mma.sync A fragment.
 
-Decode, M = 1 (the GEMV, CUDA cores; one program = block_n rows x one K range):
+Decode, M = 1, g a multiple of 128 (the GEMV on tensor cores; one warp = 32 rows, one
+program = block_n rows x one K range; thread lane = 4r + q):
 
-    for k0 in my K range, step block_k (<= g, so one scale per row per step):  # pipelined
-        bytes = packed[rows, k0/2 : (k0 + block_k)/2]     # 16 contiguous bytes per thread
-        lo, hi = low / high nibbles as exact fp32          # magic number, no int->float op
-        acc += (lo * x[k0 + 2j] + hi * x[k0 + 2j + 1]) * s[rows]
-    y[rows] = sum(acc)            # or: reduce split_k partial sums (kernels/_tiles.py)
+    for k0 in my K range, step 128:                # no shared memory, no barrier
+        words = 16 int32 (4 x 16-byte loads): rows r, r+8, r+16, r+24, k0+32q .. k0+32q+31
+        xs = x[k0 + 32q : k0 + 32q + 32]           # the same K for every row: the B operand
+        for each of 16 words: 4 LOP3 (+ shifts) and 4 HADD2/HFMA2 -> four 16-bit pairs
+            (0x6400 | n = 1024 + n in fp16, 0x4300 | n = 128 + n in bf16; minus the magic
+            and the 8: the exact code),
+            one mma.sync.m16n8k16 (x in all 8 columns of B: every column is the dot)
+        acc[my rows] += mma_sum * s[my rows, k0 // g]  # fp32, once per row per step
+    y[rows] = acc             # or: reduce split_k partial sums (kernels/_tiles.py)
+
+The tensor cores do the multiply-adds, so the loop issues about 3.1 (fp16) or 3.6 (bf16)
+SASS instructions per weight byte (tests/kernels/test_w4a16_decode.py): below the 9.2 and
+6.4 thread-instructions an H100 SXM and an H200 issue per byte of HBM bandwidth
+(roofline.issue_rate). Other groups take the plain GEMV on
+`packed` (CUDA cores, about 16 instructions per byte): per step of block_k <= g,
+acc += (lo * x[k0 + 2j] + hi * x[k0 + 2j + 1]) * s[rows] with lo, hi exact fp32 nibbles.
 
 Batches, M > 1 (the GEMM, tensor cores, swap-AB): compute y^T = W_hat x^T so the output
 features sit on the 64-row side of Hopper's wgmma and the few tokens on its narrow side:
@@ -31,9 +45,9 @@ rather than the accumulator after it: scaling the accumulator would need the dot
 every step and stall the tensor-core pipeline (wgmma.wait_group 0). The price is one
 rounding of c * s to 16 bits per weight (the tolerance, kernels/tolerance.py, counts it).
 
-int4 -> float without an int-to-float instruction (still several SASS instructions per
-nibble: the GEMV's main loop issues about 16 per packed byte, notebook 09, which makes it
-instruction-bound rather than bandwidth-bound by the model): XOR-ing a nibble with 8 gives
+int4 -> float without an int-to-float instruction (in the plain GEMV and the GEMM still
+several SASS instructions per nibble: the plain GEMV issues about 16 per packed byte, which
+makes it instruction-bound rather than bandwidth-bound by the model): XOR-ing a nibble with 8 gives
 code + 8 (4-bit two's complement to offset binary); placed in the mantissa of 2**23 (fp32) or 1024
 (fp16) it reads as 2**23 + code + 8, and one subtraction leaves the exact code:
     fp32(0x4B000000 | (nib ^ 8)) - (2**23 + 8) == code
@@ -76,10 +90,14 @@ class W4A16Weight(NamedTuple):
     scales: torch.Tensor  # float16 (N, K // group_size)
     group_size: int
     shape: tuple[int, int]  # (N, K) of the original weight
+    # int32 (ceil(N / 32), 4 K): the same codes in the decode layout (pack_int4_mma) that
+    # the tensor-core GEMV reads; None when the group is not a multiple of 128
+    words: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads for the weight: packed codes + scales."""
+        """Bytes a kernel reads for the weight: packed codes + scales (the decode layout
+        holds the same codes, plus rows of code 0 up to a multiple of 32 rows)."""
         return self.packed.numel() * self.packed.element_size() + (
             self.scales.numel() * self.scales.element_size()
         )
@@ -113,6 +131,7 @@ class W4A16Weight(NamedTuple):
             scales=qt.scales.contiguous(),
             group_size=g,
             shape=tuple(qt.codes.shape),
+            words=pack_int4_mma(qt.codes) if g % MMA_K == 0 else None,
         )
 
 
@@ -144,7 +163,64 @@ def pack_w4a16(weight: torch.Tensor, group_size: int = 128) -> W4A16Weight:
     # bytes and scales then move to the weight's device.
     qt = qlab.quantize(weight.detach().cpu(), "int4", group_size)  # int8 (N, K), fp16 scales
     w = W4A16Weight.from_qtensor(qt)
-    return w._replace(packed=w.packed.to(weight.device), scales=w.scales.to(weight.device))
+    words = None if w.words is None else w.words.to(weight.device)
+    return w._replace(packed=w.packed.to(weight.device), scales=w.scales.to(weight.device),
+                      words=words)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- decode layout
+MMA_ROWS = 32  # weight rows per tile of the decode layout: two 16-row mma.sync blocks
+MMA_K = 128  # K per step of the decode layout: one scale group at g = 128
+_MMA_ROWS, _MMA_K = tl.constexpr(MMA_ROWS), tl.constexpr(MMA_K)  # the same, for kernels
+
+
+def pack_int4_mma(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes (N, K) in -8..7 -> int32 words (ceil(N / 32), 4 * K): the decode layout.
+
+    The GEMV's tensor-core path reads it: each thread loads its words with 16-byte loads,
+    and every word already holds the eight nibbles one mma.sync.m16n8k16 A fragment wants,
+    in the order the LOP3 magic-number conversion wants. Word w of tile T (rows 32T..32T+31)
+    at step S (k = 128S..128S+127), w = 512S + 128c + 4 lane + v, with lane = 4r + q,
+    c = 2b + j // 4 and j = 4 (c % 2) + v, holds in bits 4p..4p+3 (p = rs + 2 e_hi + 4 e_lo)
+
+        code[32T + 16b + 8rs + r, 128S + 32q + 4j + 2e_hi + e_lo] + 8   (offset binary)
+
+    for b, rs, e_hi, e_lo in 0..1, r in 0..7, q in 0..3, j in 0..7. Rows past N hold code 0.
+    qlab.pack_int4's plain order stays the teaching layout; unpack_int4_mma inverts this.
+    """
+    codes = torch.as_tensor(codes)
+    if codes.ndim != 2 or codes.shape[1] % MMA_K:
+        raise ValueError(
+            f"pack_int4_mma needs codes (N, K) with K a multiple of {MMA_K}, got "
+            f"{tuple(codes.shape)}; pad K or use qlab.pack_int4"
+        )
+    if codes.numel() and (int(codes.min()) < -8 or int(codes.max()) > 7):
+        raise ValueError("pack_int4_mma takes signed int4 codes in -8..7; clamp them first")
+    n, k = codes.shape
+    tiles = triton.cdiv(n, MMA_ROWS)
+    nib = torch.full((tiles * MMA_ROWS, k), 8, dtype=torch.uint8)  # padding rows: code 0
+    nib[:n] = (codes.cpu().to(torch.int16) + 8).to(torch.uint8)
+    # shape: (T, b, rs, r, S, q, j // 4, j % 4, e_hi, e_lo)
+    nib = nib.reshape(tiles, 2, 2, 8, k // MMA_K, 4, 2, 4, 2, 2)
+    # shape: (T, S, c = (b, j // 4), lane = (r, q), v = j % 4, p = (e_lo, e_hi, rs))
+    nib = nib.permute(0, 4, 1, 6, 3, 5, 7, 9, 8, 2).reshape(tiles, k // MMA_K, 4, 32, 4, 8)
+    words = torch.zeros(nib.shape[:-1], dtype=torch.int64)
+    for p in range(8):  # one byte-sized pass per nibble position: memory stays ~3 N K bytes
+        words |= nib[..., p].to(torch.int64) << (4 * p)  # 0 .. 2**32 - 1
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.reshape(tiles, 4 * k).to(codes.device)
+
+
+def unpack_int4_mma(words: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of pack_int4_mma: int32 words (ceil(n / 32), 4 * K) -> int8 codes (n, K)."""
+    tiles, k4 = words.shape
+    k = k4 // 4
+    w = words.to(torch.int64).cpu() & 0xFFFFFFFF
+    nib = (w.reshape(tiles, k // MMA_K, 4, 32, 4, 1) >> (4 * torch.arange(8))) & 0xF
+    # shape: (T, S, b, j // 4, r, q, j % 4, e_lo, e_hi, rs) -> (T, b, rs, r, S, q, j, e)
+    nib = nib.reshape(tiles, k // MMA_K, 2, 2, 8, 4, 4, 2, 2, 2)
+    nib = nib.permute(0, 2, 9, 4, 1, 5, 3, 6, 8, 7).reshape(tiles * MMA_ROWS, k)
+    return (nib[:n] - 8).to(torch.int8).to(words.device)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -244,6 +320,174 @@ def _w4a16_gemv_kernel(
     )  # fmt: skip
 
 
+def _mma_step_asm(bf16: bool) -> str:
+    """PTX of one K step of the tensor-core GEMV, for one thread (a warp runs it together).
+
+    Operands: $0..$3 the four fp32 sums out; $4..$19 the thread's 16 weight words (decode
+    layout: words 0-7 the rows of mma block 0, 8-15 of block 1); $20..$35 its 16 words of
+    x (x[32q .. 32q + 31] as 16-bit pairs); $36..$39 the rows' scales (fp32); $40..$43 the
+    sums in. Per word: 4 LOP3 (and 1 or 3 shifts) give four 16-bit pairs (1024 + n or
+    128 + n, n = code + 8), one HADD2/HFMA2 each subtracts the magic and the 8, one HMMA.
+    """
+    ty = "bf16" if bf16 else "f16"
+    magic = "0x43004300" if bf16 else "0x64006400"
+    lines = [
+        "{",
+        ".reg .b32 a0, a1, a2, a3, t, k_mul, k_add, k_sub;",
+        ".reg .f32 d0, d1, d2, d3, z;",
+        "mov.f32 z, 0f00000000;",
+        # 16-bit pairs take no immediates in PTX: a * k_mul + k_add, a + k_sub
+        # bf16: 128 + n -> n - 8 = a * 1 - 136
+        # fp16: 1024 + n -> n - 8 = a - 1032; 1024 + 16 n -> n - 8 = a / 16 - 72
+        "mov.b32 k_mul, 0x3f803f80;" if bf16 else "mov.b32 k_mul, 0x2c002c00;",
+        "mov.b32 k_add, 0xc308c308;" if bf16 else "mov.b32 k_add, 0xd480d480;",
+        "mov.b32 k_sub, 0xe408e408;",
+    ]
+    for b in range(2):  # two 16-row mma blocks share the x fragments
+        for j in range(8):  # eight m16n8k16 along this step's K
+            w, xa, xb = f"${4 + 8 * b + j}", f"${20 + 2 * j}", f"${21 + 2 * j}"
+            if bf16:  # a bf16 mantissa holds 7 bits: every nibble shifted down to bit 0
+                lines += [
+                    f"lop3.b32 a0, {w}, 0x000f000f, {magic}, 0xea;",
+                    f"shr.b32 t, {w}, 4;",
+                    f"lop3.b32 a1, t, 0x000f000f, {magic}, 0xea;",
+                    f"shr.b32 t, {w}, 8;",
+                    f"lop3.b32 a2, t, 0x000f000f, {magic}, 0xea;",
+                    f"shr.b32 t, {w}, 12;",
+                    f"lop3.b32 a3, t, 0x000f000f, {magic}, 0xea;",
+                ]
+                lines += [f"fma.rn.bf16x2 a{i}, a{i}, k_mul, k_add;" for i in range(4)]
+            else:  # fp16: the high nibble of a byte is read in place as 16 n, scaled by 1/16
+                lines += [
+                    f"lop3.b32 a0, {w}, 0x000f000f, {magic}, 0xea;",
+                    f"lop3.b32 a1, {w}, 0x00f000f0, {magic}, 0xea;",
+                    f"shr.b32 t, {w}, 8;",
+                    f"lop3.b32 a2, t, 0x000f000f, {magic}, 0xea;",
+                    f"lop3.b32 a3, t, 0x00f000f0, {magic}, 0xea;",
+                    "add.f16x2 a0, a0, k_sub;",
+                    "fma.rn.f16x2 a1, a1, k_mul, k_add;",
+                    "add.f16x2 a2, a2, k_sub;",
+                    "fma.rn.f16x2 a3, a3, k_mul, k_add;",
+                ]
+            c = "z, z, z, z" if j == 0 else "d0, d1, d2, d3"
+            lines.append(
+                f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{d0, d1, d2, d3}}, "
+                f"{{a0, a1, a2, a3}}, {{{xa}, {xb}}}, {{{c}}};"
+            )
+        # every column of B is x: d0 = d1 (row r), d2 = d3 (row r + 8)
+        lines += [
+            f"fma.rn.f32 ${2 * b}, d0, ${36 + 2 * b}, ${40 + 2 * b};",
+            f"fma.rn.f32 ${2 * b + 1}, d2, ${37 + 2 * b}, ${41 + 2 * b};",
+        ]
+    return "\n".join(lines + ["}"])
+
+
+MMA_ASM_F16 = tl.constexpr(_mma_step_asm(bf16=False))
+MMA_ASM_BF16 = tl.constexpr(_mma_step_asm(bf16=True))
+MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 32 + ["f"] * 8))
+
+
+@triton.jit
+def _mma_step(w_step, x_step, s, acc, BF16: tl.constexpr):
+    """One K step of every thread: tl.load(...) of the thread's words, then _mma_step_asm."""
+    args = [tl.load(w_step), tl.load(w_step + 128), tl.load(w_step + 256),
+            tl.load(w_step + 384), tl.load(x_step), tl.load(x_step + 4),
+            tl.load(x_step + 8), tl.load(x_step + 12), s, acc]  # fmt: skip
+    if BF16:
+        return tl.inline_asm_elementwise(MMA_ASM_BF16, MMA_CONSTRAINTS, args,
+                                         dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(MMA_ASM_F16, MMA_CONSTRAINTS, args,
+                                         dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
+
+
+@triton.jit
+def _w4a16_gemv_mma_kernel(
+    # pointers
+    x_ptr,  # fp16/bf16 (K,), 16-byte aligned
+    words_ptr,  # int32 (ceil(N / 32), 4 K): pack_int4_mma(codes)
+    scales_ptr,  # fp16 (N, K // GROUP_SIZE)
+    out_ptr,  # x's dtype (N,)
+    ws_ptr,  # fp32 split-K workspace
+    count_ptr,  # int32 split-K counters
+    # sizes
+    N,
+    K,
+    # strides
+    stride_wt,  # words per 32-row tile: 4 K
+    stride_sn,
+    # split-K: programs per row block, each summing K // split_k
+    split_k,
+    # meta-parameters
+    GROUP_SIZE: tl.constexpr,  # a multiple of _MMA_K
+    BLOCK_N: tl.constexpr,  # 32 rows per warp
+    USE_ASM: tl.constexpr,  # the tensor-core PTX; False: the same sums in plain Triton
+    INDEX_64: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_len = K // split_k
+    k_start = tl.multiple_of(pid_k * k_len, _MMA_K)
+    num_tiles = tl.cdiv(N, _MMA_ROWS)
+    if USE_ASM:
+        # Thread t = 32 warp + lane, lane = 4r + q: its row in every mma fragment is r (and
+        # r + 8), its share of K is x[32q .. 32q + 31] of each step. A (THREADS, 4) tensor
+        # of 16-byte rows puts row t in thread t (Triton's blocked layout [1, 4] x [32, 1]).
+        THREADS: tl.constexpr = BLOCK_N // _MMA_ROWS * 32
+        t = tl.arange(0, THREADS)[:, None]  # shape: (THREADS, 1)
+        lane = t % 32
+        r = lane // 4
+        q = lane % 4
+        tile = tl.minimum(pid_n * (BLOCK_N // _MMA_ROWS) + t // 32, num_tiles - 1)
+        if INDEX_64:
+            tile = tile.to(tl.int64)
+        v = tl.arange(0, 4)[None, :]  # shape: (1, 4)
+        # rows of the thread's four sums: (block 0, r), (block 0, r + 8), (1, r), (1, r + 8)
+        offs_n = pid_n * BLOCK_N + (t // 32) * _MMA_ROWS + 16 * (v // 2) + 8 * (v % 2) + r
+        rows = tl.minimum(offs_n, N - 1)
+        if INDEX_64:
+            rows = rows.to(tl.int64)
+        w_ptrs = words_ptr + tile * stride_wt + lane * 4 + v  # + 512 S + 128 c
+        x_ptrs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + q * 16 + v  # + 64 S + 4c
+        s_ptrs = scales_ptr + rows * stride_sn
+        acc = tl.zeros((THREADS, 4), dtype=tl.float32)
+        for k0 in tl.range(k_start, k_start + k_len, _MMA_K):
+            w_step = w_ptrs + k0 * 4
+            x_step = x_ptrs + k0 // 2
+            s = tl.load(s_ptrs + k0 // GROUP_SIZE).to(tl.float32)
+            acc = _mma_step(w_step, x_step, s, acc, x_ptr.dtype.element_ty == tl.bfloat16)
+        local = offs_n - pid_n * BLOCK_N
+        store_or_reduce(
+            acc, out_ptr + offs_n, offs_n < N, ws_ptr, count_ptr, local,
+            pid_n, tl.num_programs(0), pid_k, split_k, TILE=BLOCK_N,
+        )  # fmt: skip
+    else:
+        # The decode layout read element by element (pack_int4_mma's formula), fp32 sums.
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # shape: (BLOCK_N,)
+        rows = tl.minimum(offs_n, N - 1)
+        if INDEX_64:
+            rows = rows.to(tl.int64)
+        kk = tl.arange(0, _MMA_K)[None, :]  # shape: (1, _MMA_K)
+        rr = (rows % _MMA_ROWS)[:, None]  # shape: (BLOCK_N, 1)
+        b, rs, r = rr // 16, (rr // 8) % 2, rr % 8
+        q, j, e = kk // 32, (kk // 4) % 8, kk % 4
+        word = 128 * (2 * b + j // 4) + 4 * (4 * r + q) + j % 4  # shape: (BLOCK_N, _MMA_K)
+        shift = 4 * (rs + 2 * (e // 2) + 4 * (e % 2))
+        w_ptrs = words_ptr + (rows // _MMA_ROWS)[:, None] * stride_wt + word
+        s_ptrs = scales_ptr + rows * stride_sn
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in tl.range(k_start, k_start + k_len, _MMA_K):
+            nib = (tl.load(w_ptrs + k0 * 4) >> shift) & 0xF
+            code = (nib - 8).to(tl.float32)  # shape: (BLOCK_N, _MMA_K)
+            xk = tl.load(x_ptr + k0 + kk).to(tl.float32)  # shape: (1, _MMA_K)
+            s = tl.load(s_ptrs + k0 // GROUP_SIZE).to(tl.float32)
+            acc += tl.sum(code * xk, axis=1) * s  # code * x exact in fp32
+        store_or_reduce(
+            acc, out_ptr + offs_n, offs_n < N, ws_ptr, count_ptr, tl.arange(0, BLOCK_N),
+            pid_n, tl.num_programs(0), pid_k, split_k, TILE=BLOCK_N,
+        )  # fmt: skip
+
+
 # split_k is never compiled in as a constant: Triton specializes an int argument equal to 1,
 # and with split_k == 1 built in, ptxas serialises every wgmma of the K loop (ptxas info
 # C7515, a WARPGROUP.DEPBAR wait after each HGMMA: tests/kernels/test_kernel_aot.py).
@@ -325,15 +569,38 @@ def _block_k(config: Config, group_size: int) -> int:
     return block_k
 
 
+def _plan_gemv_mma(x2, w: W4A16Weight, out, config: Config, sms: int, buffers) -> Launch:
+    """The tensor-core GEMV: config.block_n rows per program, one warp per 32 rows."""
+    N, K = w.shape
+    if config.block_n != MMA_ROWS * config.num_warps:
+        raise ValueError(f"a decode config needs block_n = 32 * num_warps, got {config}")
+    tiles = triton.cdiv(N, config.block_n)
+    split = configs.split_k_for(tiles, K // MMA_K, sms)
+    ws, counts = buffers(split, tiles, config.block_n, out.device)
+    return Launch(
+        kernel=_w4a16_gemv_mma_kernel,
+        grid=(tiles, split),
+        args=(x2, w.words, w.scales, out, ws, counts, N, K,
+              w.words.stride(0), w.scales.stride(0), split),  # fmt: skip
+        meta=dict(GROUP_SIZE=w.group_size, BLOCK_N=config.block_n, USE_ASM=not INTERPRET,
+                  INDEX_64=needs_int64(w.words), num_warps=config.num_warps),  # fmt: skip
+        config=config,
+    )
+
+
 def plan(x2, w: W4A16Weight, out, config: Config, sms: int, buffers=split_k_buffers) -> Launch:
     """The one launch w4a16_linear makes for x2 (M, K) with `config` (also what
-    qlab.kernels.compile_for builds). M = 1 takes the GEMV, larger M the swap-AB GEMM."""
+    qlab.kernels.compile_for builds). M = 1 takes the GEMV (the tensor-core one on the
+    decode layout when w.words exists, else the plain one), larger M the swap-AB GEMM."""
     M, K = x2.shape
     N = w.shape[0]
     g = w.group_size
     block_k = _block_k(config, g)
     k_steps = K // block_k
+    if M == 1 and w.words is not None:
+        return _plan_gemv_mma(x2, w, out, config, sms, buffers)
     if M == 1:
+        config = configs.GEMV_PLAIN  # groups of 16..112: the plain layout, one config
         tiles = triton.cdiv(N, config.block_n)
         split = configs.split_k_for(tiles, k_steps, sms)
         ws, counts = buffers(split, tiles, config.block_n, out.device)
@@ -390,6 +657,9 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
         x2 = x2.clone()
     sms = configs.device_sms()
     key = (N, K, w.group_size, str(x.dtype))
-    config = configs.choose("w4a16", M, key, lambda c: plan(x2, w, out, c, sms)())
+    if M == 1 and w.words is None:
+        config = configs.GEMV_PLAIN  # what plan runs for this weight whatever it is given
+    else:
+        config = configs.choose("w4a16", M, key, lambda c: plan(x2, w, out, c, sms)())
     plan(x2, w, out, config, sms)()
     return out.reshape(*x.shape[:-1], N)

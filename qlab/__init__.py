@@ -12,7 +12,9 @@ from qlab.schemes import SCHEME_NAMES, SCHEMES, Scheme, get_scheme, int_scheme
 
 # Subpackages load on first use (PEP 562), so `import qlab` stays light and
 # `qlab.ptq.gptq(...)` works without an explicit `import qlab.ptq`.
-_SUBPACKAGES = ("data", "gguf", "grading", "kernels", "lm", "pipelines", "ptq", "qat", "widgets")
+_SUBPACKAGES = (
+    "data", "gguf", "grading", "kernels", "kv", "lm", "pipelines", "ptq", "qat", "widgets"
+)
 
 
 def __getattr__(name: str):

@@ -4,7 +4,7 @@
     qlab grade SUBMISSION... --out DIR [--jobs N] [--timeout S] [--wall S] [--mem-mb MB]
                [--procs N] [--disk-mb MB] [--seed N] [--assignment NAME] [--env KEY=VALUE]
                [--sandbox auto|on|off] [--shard I/N] [--forbid-reference]
-    qlab grade merge DIR... --out DIR     (combine the results of --shard runs)
+    qlab grade merge DIR... --out DIR     (combine the results of --shard runs; similarity)
 
 To add a subcommand (e.g. ``bench``): write ``_add_bench(sub)`` that creates its parser
 with ``set_defaults(func=...)`` and append it to ``_COMMANDS``.
@@ -124,8 +124,15 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         return 2
     print(
         f"merged {len(info['merged_from'])} result(s), {info['rows']} submission(s) -> "
-        f"{args.out}/grades.csv, grades.json"
+        f"{args.out}/grades.csv, grades.json; similarity.csv: {info['pairs']} pair(s)"
     )
+    if info["similarity_skipped"]:
+        skipped = ", ".join(info["similarity_skipped"][:10])
+        print(
+            f"  similarity.csv leaves out {len(info['similarity_skipped'])} submission(s) whose "
+            f"file is gone or changed since it was graded: {skipped}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -134,7 +141,9 @@ def _add_merge(sub) -> None:
         "grade-merge",
         help="combine the results of `qlab grade --shard` runs (also: qlab grade merge)",
         description="Find every grades.json under the folders (one per shard) and write "
-        "OUT/grades.json and OUT/grades.csv. All shards of the run must be there.",
+        "OUT/grades.json and OUT/grades.csv. All shards of the run must be there. "
+        "OUT/similarity.csv is computed again over every merged submission, from the "
+        "files the rows name (a file gone or changed since grading is left out).",
     )
     p.add_argument("folders", nargs="+", help="folders holding the shards' results")
     p.add_argument("--out", required=True, help="folder for the merged grades")

@@ -3,8 +3,9 @@
 W4A16 (weight-only): int4 weights cross the bus, are dequantized, and the matmul
 runs in high precision -> a bandwidth gain, no arithmetic gain.
 W8A8: activations are quantized on the fly (per token or per tensor), the 8-bit
-elements are multiplied and accumulated in high precision (as tensor cores do), and
-the accumulator is rescaled ONCE at the end by s_x[:, None] * s_w[None, :].
+elements are multiplied and accumulated in high precision (int8 exactly, fp8 in fp32 here;
+Hopper's FP8 tensor cores keep fewer bits in their sums, notebook 06), and the
+accumulator is rescaled ONCE at the end by s_x[:, None] * s_w[None, :].
 The kernels of notebooks 09-10 are tested against these.
 """
 

@@ -3,7 +3,8 @@ along the last axis - and returns a RuleResult: codes (R, G, g), scales (R, G),
 zero_points (R, G) or None, tensor_scale (a 0-d tensor, NVFP4 only) or None.
 
 Every rule divides x by its scale (a true float32 division, never a multiply by a
-reciprocal), except NF4, which follows bitsandbytes: x * fp32(1 / absmax), and the GGUF
+reciprocal), except NF4, which follows bitsandbytes' order: x * fp32(1 / absmax) (its CUDA
+kernels, built with --use_fast_math, take an approximate reciprocal, within 1 ulp), and the GGUF
 rules, which follow llama.cpp's reference quantizer (ggml-quants.c): x * fp32(1 / d).
 A group that is all zeros gets codes of 0.0 and dequantizes to zeros.
 """

@@ -63,6 +63,8 @@ CHEAP: dict[str, str] = {
     "make site": "make -n site",  # tests/site/test_site_browser.py builds the site for real
     'make site SITE_ARGS="--only 00 02"': "make -n site SITE_ARGS='--only 00 02'",
     "make system-deps": "make -n system-deps",  # apt-get: root or sudo
+    "make llamacpp": "make -n llamacpp",  # compiles llama.cpp: minutes (docs/LEARNERS.md)
+    "make test-llamacpp": "make -n test-llamacpp",  # the same build, then its tests
     "conda env create -f environment.yml": (
         "python -c \"import yaml; assert yaml.safe_load(open('environment.yml'))['name']\""
     ),

@@ -39,3 +39,14 @@ def test_every_run_prints_its_slowest_tests_and_slow_is_registered():
     addopts = re.search(r'^addopts = "(.*)"$', section, re.M).group(1)
     assert "--durations=15" in addopts.split()
     assert re.search(r'^markers = \["slow: ', section, re.M)
+
+
+def test_modules_graded_in_the_background_run_last():
+    """A module with CLASS_RUN (grading_bank.ClassRun) goes after every other test, so
+    that its class is graded beside them; the others keep their order."""
+    from types import SimpleNamespace as NS
+
+    run = object()
+    items = [NS(nodeid="a", module=NS(CLASS_RUN=run)), NS(nodeid="b", module=NS()), NS(nodeid="c")]
+    _conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == ["b", "c", "a"]

@@ -1,7 +1,8 @@
 """One generic minifloat codec: sign / exponent / mantissa with a bias and a NaN/inf policy.
 
 Serves fp8_e4m3fn, fp8_e5m2, fp6_e2m3fn, fp6_e3m2fn, fp4_e2m1fn and e8m0fnu
-(names as ml_dtypes names them: "fn" = finite, no inf; "u" = unsigned).
+(names as ml_dtypes names them: "f" = finite, no inf; "n" = NaN only at the outer range,
+if at all; "u" = unsigned).
 
 Value of a code with exponent field E and mantissa field M (m mantissa bits):
     E > 0:  (-1)^s * 2^(E - bias) * (1 + M / 2^m)      (normal)

@@ -1,10 +1,11 @@
 """NF4 (QLoRA, Dettmers et al. 2023): 16 levels placed at quantiles of a normal distribution.
 
 The float32 levels are bitsandbytes' published table (bitsandbytes/functional.py,
-get_4bit_type("nf4")), bit for bit. `quantile_levels()` rebuilds them from the normal
-quantile construction of the QLoRA paper (8 positive quantiles, 7 negative, an exact
-zero, normalised to [-1, 1]); it matches the table to within 2e-7, not bit for bit, so
-the table is the reference.
+get_4bit_type("nf4")), bit for bit. `quantile_levels()` rebuilds them with bitsandbytes'
+construction (functional.py create_normal_map: Phi^-1 at points evenly spaced from an
+offset to 0.5, 8 positive levels, 7 negative, an exact zero, normalised to [-1, 1]; the
+asymmetric split is the QLoRA paper's, section 3, whose own quantile formula differs);
+it matches the table to within 2e-7, not bit for bit, so the table is the reference.
 
 Encoding follows bitsandbytes' kernel (dQuantizeNF4): the normalised value is compared
 with the float32 midpoints fp32((l[i] + l[i+1]) / 2) and a value exactly ON a
@@ -40,12 +41,14 @@ NF4_LEVELS = torch.tensor(
     dtype=torch.float32,
 )
 
-# QLoRA's offset: the outermost quantile used, 0.5 * (1/(2*15) + 1/(2*16)) away from 1.
+# bitsandbytes' offset (create_normal_map's default, the NF4 that QLoRA ships): the
+# outermost quantile used, 0.5 * (1/(2*15) + 1/(2*16)) away from 1.
 NF4_OFFSET = 0.9677083
 
 
 def quantile_levels(offset: float = NF4_OFFSET) -> torch.Tensor:
-    """Build NF4 from normal quantiles (QLoRA, appendix E), in float64 -> float32.
+    """Build NF4 from normal quantiles (bitsandbytes create_normal_map; the asymmetric split
+    is QLoRA section 3's), in float64 -> float32.
 
     Positive half: Phi^-1 at 8 points evenly spaced from `offset` down to 0.5 (excluded);
     negative half: 7 points likewise; plus an exact 0. Normalised by the largest.

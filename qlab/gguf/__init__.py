@@ -9,6 +9,7 @@
     dequantized_model(model, tensors) -> a model copy running on the dequantized weights
     recipe_types(shapes, "Q4_K_M") -> {name: type}   llama.cpp's _S/_M/_L mixes
     importance(model, inputs) -> {name: imatrix}     llama-imatrix's statistics
+    export_llamacpp(model, path, "Q4_K_M")  MiniLM as llama.cpp's `bert`, TinyLM as its `gpt2`
 
 Types: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) and Q3_K, Q4_K, Q5_K, Q6_K
 (super-blocks of 256). Q8_0, Q4_0 and Q5_0 are also ordinary qlab schemes ("q8_0", "q4_0",
@@ -31,6 +32,7 @@ from qlab.gguf.file import (
     tensor_table,
 )
 from qlab.gguf.imatrix import importance
+from qlab.gguf.llamacpp import export_llamacpp
 from qlab.gguf.model import dequantized_model, to_state_dict
 from qlab.gguf.recipes import RECIPES, fallback, recipe_types, role
 from qlab.gguf.types import (
@@ -49,5 +51,5 @@ __all__ = [
     "quantize", "dequantize", "GGUFTensor", "GGMLType", "TYPES", "TYPE_NAMES", "get_type",
     "bits_per_weight", "from_bytes", "export", "load", "metadata", "tensor_table", "read",
     "GGUFError", "RECIPES", "recipe_types", "fallback", "role", "importance",
-    "quantize_state", "to_state_dict", "dequantized_model",
+    "quantize_state", "to_state_dict", "dequantized_model", "export_llamacpp",
 ]  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import gguf
 import numpy as np
@@ -75,19 +75,32 @@ def export(
     for llama.cpp's data-aware rounding. Returns what was written, name -> GGUFTensor.
     The recipe name is stored under the key qlab.recipe."""
     written = quantize_state(tensors, types, imatrix)
-    writer = gguf.GGUFWriter(str(path), arch=ARCH)
-    try:
+
+    def header(writer: gguf.GGUFWriter) -> None:
         writer.add_name(name)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_string("qlab.recipe", types if isinstance(types, str) else "custom")
-        for key, t in written.items():
+
+    write(path, written, ARCH, header)
+    return written
+
+
+def write(
+    path: str | os.PathLike, tensors: Mapping[str, GGUFTensor], arch: str,
+    header: Callable[[gguf.GGUFWriter], None],
+) -> None:  # fmt: skip
+    """Write already-quantized tensors (name -> GGUFTensor, in file order) to a GGUF file
+    with general.architecture = arch; header(writer) adds the other metadata."""
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    try:
+        header(writer)
+        for key, t in tensors.items():
             _add(writer, key, t)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     finally:
         writer.close()
-    return written
 
 
 def _add(writer: gguf.GGUFWriter, key: str, t: GGUFTensor) -> None:

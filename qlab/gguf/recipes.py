@@ -26,7 +26,8 @@ by its role and layer. This follows llama_tensor_get_type in llama.cpp's src/lla
   * "more bits" layers: i < n/8, or i >= 7n/8, or (i - n/8) % 3 == 2 (the first and last
     eighth and every third in between).
   * not quantized: 1-D tensors (norms, biases), names not ending in "weight", norms, the
-    position embedding. They stay F32.
+    position embedding and BERT's token-type embedding (tensor_allows_quantization: POS_EMBD,
+    TOKEN_TYPES). They stay F32.
   * fallback: a K-quant needs rows that are a multiple of 256 elements. Otherwise
     Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (blocks of 32, 0.5 to 2 bits
     per weight more), and F16 when even 32 does not divide the row. TinyLM's rows are 192 wide
@@ -62,7 +63,7 @@ _ROLES = [
     ("ffn_up", (r"ffn_up", r"mlp\.fc1\.weight$")),
     ("ffn_down", (r"ffn_down", r"mlp\.fc2\.weight$")),
 ]
-_KEEP = re.compile(r"(norm|(^|\.)ln\w*\.weight$|pos_emb|position_embd)")
+_KEEP = re.compile(r"(norm|(^|\.)ln\w*\.weight$|pos_emb|position_embd|^token_types\.)")
 _LAYER = re.compile(r"(?:blocks|blk|layers?|h)\.(\d+)\.")
 
 
@@ -135,7 +136,10 @@ def recipe_types(shapes: dict[str, tuple[int, ...]], recipe: str) -> dict[str, s
     recipe = str(recipe).upper()
     roles = {name: role(name) for name in shapes}
     tied = "output" not in roles.values()
-    counts = {r: sum(1 for v in roles.values() if v == r) for r in ("attn_v", "ffn_down")}
+    # llama.cpp's n_attention_wv / n_ffn_down: the quantized V and FFN-down matrices (one per
+    # layer), not their biases, which the name patterns "ffn_down" etc. also match
+    counts = {r: sum(1 for k, v in roles.items() if v == r and is_quantized(k, tuple(shapes[k])))
+              for r in ("attn_v", "ffn_down")}  # fmt: skip
     seen = {"attn_v": 0, "ffn_down": 0}
     out = {}
     for name, shape in shapes.items():

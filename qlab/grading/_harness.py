@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import traceback
+import tracemalloc
 import types
 
 import numpy as np
@@ -249,36 +250,118 @@ def watching(labels):
         state.active = frozenset()
 
 
-def run_cases(fn, cases, guard=None, cell_names=False):
+def run_cases(fn, cases, guard=None, cell_names=False, limits=None, rule=""):
     """Call fn(*args) for each case; return one plain record per case.
 
     guard: a context manager factory entered around each call (e.g. the Triton
     out-of-bounds checker), or None. An error record names the line of the student's
     code it came from (``Cell In[5], line 3`` with ``cell_names`` in IPython). Inside
     :func:`watching`, a record lists the references the call used (``borrowed``).
+    limits: per case, the most elements one tensor or array may hold during the call
+    (:func:`size_limit`; ``rule`` is the spec's sentence for the message), or None.
     """
     records = []
     state = sys.modules.get(_WATCH_MODULE)
-    for args in cases:
+    for i, args in enumerate(cases):
         if state is not None:
             state.seen = set()
         before = [_bits(a) for a in args]
+        limit = limits[i] if limits else None
+        over = []
         try:
-            if guard is None:
+            with contextlib.ExitStack() as stack:
+                if limit is not None:
+                    over = stack.enter_context(size_limit(limit, getattr(fn, "__name__", "")))
+                if guard is not None:
+                    stack.enter_context(guard())
                 out = fn(*args)
-            else:
-                with guard():
-                    out = fn(*args)
-            changed = [i for i, a in enumerate(args) if _bits(a) != before[i]]
-            if changed:
+            changed = [j for j, a in enumerate(args) if _bits(a) != before[j]]
+            if over:
+                records.append({"error": "; ".join(filter(None, (over[0], rule)))})
+            elif changed:
                 records.append({"error": _changed_inputs(changed)})
-                continue
-            records.append({"ok": encode(out)})
+            else:
+                records.append({"ok": encode(out)})
         except (Exception, SystemExit) as e:  # the student's error is the result
-            records.append({"error": _describe(e)[:500] + where(e, cell_names)})
+            if over:  # the limit was crossed (even if the function caught the error)
+                records.append({"error": "; ".join(filter(None, (over[0], rule)))})
+            else:
+                records.append({"error": _describe(e)[:500] + where(e, cell_names)})
         if state is not None and state.seen:
             records[-1]["borrowed"] = sorted(state.seen)
     return records
+
+
+class SizeLimitError(MemoryError):
+    """The function made or used a tensor or array larger than its task allows."""
+
+
+# Python-level bytes a call may allocate on top of 8 bytes per allowed element
+# (interpreter objects of the call itself); a numpy array is counted here (tracemalloc)
+_PY_SLACK = 128 * 2**10
+
+
+@contextlib.contextmanager
+def size_limit(limit, who=""):
+    """Yield a list that gets a message once the block holds too much in one piece.
+
+    Every torch operation inside the block (torch dispatch) is checked: an input or output
+    tensor whose storage holds more than ``limit`` elements raises :class:`SizeLimitError`
+    there. Python allocations (numpy arrays, lists) are traced: a peak above 8 bytes per
+    element plus ``_PY_SLACK`` is reported after the block. The message stays in the list
+    even if the function catches the error.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    found = []
+    who = f"{who} " if who else ""
+
+    def check(values):
+        for t in tree_leaves(values):
+            if isinstance(t, torch.Tensor) and _held(t) > limit:
+                if not found:
+                    shape = " x ".join(map(str, t.shape))
+                    found.append(
+                        f"SizeLimit: {who}made a tensor of {t.numel()} elements ({shape}); "
+                        f"at most {limit} are allowed in this case"
+                    )
+                raise SizeLimitError(found[0])
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            check((args, kwargs))
+            out = func(*args, **(kwargs or {}))
+            check(out)
+            return out
+
+    with _Mode():  # the first use imports modules: not the function's memory
+        torch.zeros(1).add_(1)
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        with _Mode():
+            yield found
+    finally:
+        peak = tracemalloc.get_traced_memory()[1] - base
+        if started:
+            tracemalloc.stop()
+        if peak > 8 * limit + _PY_SLACK and not found:
+            found.append(
+                f"SizeLimit: {who}allocated {peak} bytes of Python memory (numpy arrays, lists) "
+                f"at once; at most {8 * limit + _PY_SLACK} are allowed in this case"
+            )
+
+
+def _held(t):
+    """Elements a tensor holds: its own, or its storage's when that is smaller (a view)."""
+    try:
+        return min(t.numel(), t.untyped_storage().nbytes() // max(1, t.element_size()))
+    except (RuntimeError, NotImplementedError):  # no storage (e.g. a meta tensor)
+        return t.numel()
 
 
 def _bits(a):
@@ -362,7 +445,9 @@ def _label(filename, lineno, cell_names):
     return f"{filename}, line {lineno}"
 
 
-def _kernel_main(user_ns, func_name, payload, result_path, limit, guard_src=None, watch=()):
+def _kernel_main(
+    user_ns, func_name, payload, result_path, limit, guard_src=None, watch=(), sizes=None, rule=""
+):
     """Entry point inside the student's kernel (called by the grader's cell).
 
     Writes the result as one JSON document to ``result_path`` (not to stdout, which the
@@ -370,6 +455,7 @@ def _kernel_main(user_ns, func_name, payload, result_path, limit, guard_src=None
     never reads half a file. ``guard_src``: source of a self-contained module whose
     ``checking()`` is entered around each call (None: no guard). ``watch``: the task's
     declared references (installed by the grader's first cell: :func:`install_watch`).
+    ``sizes``, ``rule``: the task's per-case size limits (see :func:`run_cases`), or None.
     """
     cases = [decode(c) for c in json.loads(base64.b64decode(payload))]
     guard = None
@@ -382,7 +468,7 @@ def _kernel_main(user_ns, func_name, payload, result_path, limit, guard_src=None
         result = {"missing": f"no function named {func_name!r} is defined in the notebook"}
     else:
         with watching(watch):
-            result = {"records": run_cases(fn, cases, guard)}
+            result = {"records": run_cases(fn, cases, guard, limits=sizes, rule=rule)}
     text = json.dumps(result, separators=(",", ":"), allow_nan=False)
     if len(text) > limit:
         too_big = f"the result of {func_name} is larger than {limit // 2**20} MB"

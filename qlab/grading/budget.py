@@ -145,11 +145,14 @@ class Supervisor(threading.Thread):
     def _breach(self, mem: int, threads: int, disk: int) -> str | None:
         b = self.budget
         if mem > b.mem_bytes:
-            return f"its processes used more than {b.mem_bytes // 2**20} MB of memory together"
+            return (
+                f"its processes used more than {b.mem_bytes // 2**20} MB of memory together "
+                f"(measured {mem // 2**20} MB)"
+            )
         if threads > b.threads:
-            return f"it ran more than {b.threads} processes and threads at once"
+            return f"it ran more than {b.threads} processes and threads at once ({threads})"
         if disk > b.disk_bytes:
-            return f"it wrote more than {b.disk_bytes // 2**20} MB of files"
+            return f"it wrote more than {b.disk_bytes // 2**20} MB of files ({disk // 2**20} MB)"
         return None
 
     def run(self) -> None:

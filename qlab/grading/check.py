@@ -27,6 +27,7 @@ from qlab.grading.registry import (
     evaluate,
     get_task,
     make_cases,
+    size_limits,
 )
 
 __all__ = ["check", "CheckFailed", "GRADER_ENV", "is_kernel_task", "kernel_guard"]
@@ -141,9 +142,11 @@ def _run(task: Task, fn: Callable, cases: list, timeout: float) -> tuple[list, s
     """
     guard = kernel_guard(task)
     factory = guard.checking if guard is not None else None
+    limits, rule = size_limits(task, cases)
+    copies = [_clone(c) for c in cases]
     if not is_kernel_task(task) or can_fork() is not None:
-        return _harness.run_cases(fn, [_clone(c) for c in cases], factory, cell_names=True), None
-    child = run_in_child(fn, [_clone(c) for c in cases], timeout, factory)
+        return _harness.run_cases(fn, copies, factory, True, limits, rule), None
+    child = run_in_child(fn, copies, timeout, factory, limits, rule)
     if child.output.strip():
         print(child.output.rstrip())
     if child.crash is not None and len(child.records) < len(cases):

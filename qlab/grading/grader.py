@@ -308,5 +308,22 @@ def grade_many(
 
 
 def merge(folders: list[str | Path], out: str | Path) -> dict:
-    """Combine the shards' grades.json found under ``folders`` into OUT/grades.{json,csv}."""
-    return results.merge_results([Path(f) for f in folders], Path(out), list(all_tasks()))
+    """Combine the shards' grades.json found under ``folders`` into OUT/grades.{json,csv},
+    and write OUT/similarity.csv over every merged submission.
+
+    The similarity report is computed again from the files the rows name (``path``, as the
+    shard saw it): a file that is gone or no longer has the hash that was graded is left
+    out and listed under ``similarity_skipped`` in the returned dict (with ``pairs``).
+    """
+    info = results.merge_results([Path(f) for f in folders], Path(out), list(all_tasks()))
+    _, rows = results.load_results(Path(out))
+    same = {k: Path(r.path) for k, r in rows.items() if _unchanged(r)}
+    decided = {k: r.assignment for k, r in rows.items() if r.assignment}
+    info["pairs"] = write_similarity(Path(out), same, list(assignments()), decided=decided)
+    info["similarity_skipped"] = sorted(set(rows) - set(same))
+    return info
+
+
+def _unchanged(row: SubmissionRow) -> bool:
+    """The row's file is still there, byte for byte as graded (a link: the same target)."""
+    return bool(row.sha256) and results.sha256_of(Path(row.path)) == row.sha256

@@ -53,7 +53,7 @@ def can_fork() -> str | None:
     return None
 
 
-def _child(fn: Callable, cases: list, guard, write_fd: int, out_fd: int) -> None:
+def _child(fn: Callable, cases: list, guard, write_fd: int, out_fd: int, limits, rule) -> None:
     """In the child: redirect output, run each case, send its record; never returns."""
     try:
         faulthandler.disable()  # a crash here is reported by the parent, not dumped
@@ -61,8 +61,9 @@ def _child(fn: Callable, cases: list, guard, write_fd: int, out_fd: int) -> None
         os.dup2(out_fd, 2)
         sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
         with os.fdopen(write_fd, "w", buffering=1) as pipe:
-            for case in cases:
-                record = _harness.run_cases(fn, [case], guard, cell_names=True)[0]
+            for i, case in enumerate(cases):
+                limit = [limits[i]] if limits else None
+                record = _harness.run_cases(fn, [case], guard, True, limit, rule)[0]
                 pipe.write(json.dumps(record, separators=(",", ":")) + "\n")
         sys.stdout.flush()
     finally:
@@ -97,8 +98,11 @@ def _ending(status: int, timed_out: bool, timeout: float) -> str | None:
     return None if code == 0 else f"exit code {code}"
 
 
-def run_in_child(fn: Callable, cases: list, timeout: float, guard=None) -> ChildResult:
-    """Run fn on each case in a forked child (Linux); see the module docstring."""
+def run_in_child(
+    fn: Callable, cases: list, timeout: float, guard=None, limits=None, rule: str = ""
+) -> ChildResult:
+    """Run fn on each case in a forked child (Linux); see the module docstring.
+    ``limits``, ``rule``: per-case size limits (``_harness.run_cases``), or None."""
     read_fd, write_fd = os.pipe()
     out = tempfile.TemporaryFile()
     with warnings.catch_warnings():  # Python 3.12+ warns about fork in threaded processes
@@ -106,7 +110,7 @@ def run_in_child(fn: Callable, cases: list, timeout: float, guard=None) -> Child
         pid = os.fork()
     if pid == 0:
         os.close(read_fd)
-        _child(fn, cases, guard, write_fd, out.fileno())
+        _child(fn, cases, guard, write_fd, out.fileno(), limits, rule)
     os.close(write_fd)
     timed_out = True
     try:

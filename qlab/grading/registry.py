@@ -32,6 +32,8 @@ __all__ = [
     "case_seed",
     "tasks_for",
     "Mismatch",
+    "SizeLimit",
+    "size_limits",
 ]
 
 Case = tuple  # positional arguments of one call
@@ -247,6 +249,9 @@ class Task:
                 ("qlab.quantize", "qlab.formats.minifloat.Minifloat.encode"). While the
                 learner's function runs (``check`` and ``qlab grade``), calls to them and
                 to the registry's references are recorded (``TaskResult.uses_reference``).
+    size_limit: a rule of the spec about memory (e.g. fwht: never form the n x n matrix),
+                checked while the learner's function runs (``check`` and ``qlab grade``):
+                no tensor or array may hold more elements than it allows (SizeLimit).
     """
 
     grade_id: str
@@ -259,6 +264,26 @@ class Task:
     signature: str = ""
     kernel_env: dict[str, str] = field(default_factory=dict)
     implements: tuple[str, ...] = ()
+    size_limit: SizeLimit | None = None
+
+
+@dataclass(frozen=True)
+class SizeLimit:
+    """The most elements one tensor or array may hold while the learner's function runs on
+    a case (``elements(*case)``), and the spec's sentence it enforces (shown on a failure)."""
+
+    elements: Callable[..., int]
+    rule: str
+
+    def per_case(self, cases: list[Case]) -> list[int]:
+        return [int(self.elements(*c)) for c in cases]
+
+
+def size_limits(task: Task, cases: list[Case]) -> tuple[list[int] | None, str]:
+    """(per-case element limits, rule) for ``_harness.run_cases``; (None, "") without one."""
+    if task.size_limit is None:
+        return None, ""
+    return task.size_limit.per_case(cases), task.size_limit.rule
 
 
 _TASKS: dict[str, Task] = {}

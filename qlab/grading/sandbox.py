@@ -34,11 +34,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BWRAP", "NONE", "Isolation", "resolve", "bwrap_argv", "hidden_paths_ok"]
+__all__ = ["BWRAP", "NONE", "PYTHON", "Isolation", "resolve", "bwrap_argv", "hidden_paths_ok"]
 
 BWRAP = "bwrap"
 NONE = "none"
 MODES = ("auto", "on", "off")
+# the interpreter of the kernels, as an absolute path taken when qlab.grading loads:
+# sys.executable is relative when Python was found through a relative PATH entry
+# (PATH=.venv/bin:$PATH), and a kernel starts in another folder (inside the sandbox, or
+# its work folder). Not resolved: a venv's python is a link that must stay a link.
+PYTHON = os.path.abspath(sys.executable)
 
 # read-only system folders every Python needs; symlinks (merged /usr) stay symlinks
 _SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -84,7 +89,7 @@ def python_roots() -> list[str]:
     Never ``sys.path`` as such: started from a checkout, or with PYTHONPATH pointing at
     one, that would hold the working directory (solutions/, .git)."""
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    roots.add(str(Path(sys.executable).resolve().parent.parent))
+    roots.add(str(Path(PYTHON).resolve().parent.parent))
     roots.update(p for p in site.getsitepackages() if os.path.isdir(p))
     user_site = site.getusersitepackages()
     if site.ENABLE_USER_SITE and os.path.isdir(user_site):
@@ -192,7 +197,7 @@ def _probe() -> str | None:
     work = tempfile.mkdtemp(prefix="qlab-probe-")
     try:
         argv = bwrap_argv([work], [], {"HOME": work}, work)
-        argv += ["--", sys.executable, "-c", _PROBE]
+        argv += ["--", PYTHON, "-c", _PROBE]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as e:
         return f"bwrap failed to run: {e}"

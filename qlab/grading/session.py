@@ -29,7 +29,6 @@ import signal
 import site
 import stat
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +43,8 @@ from qlab._tensor import thread_env
 from qlab.grading import _harness
 from qlab.grading.budget import Budget, Supervisor
 from qlab.grading.check import GRADER_ENV, crash_message, is_kernel_task, kernel_guard
-from qlab.grading.registry import Task, TaskResult, evaluate
-from qlab.grading.sandbox import BWRAP, bwrap_argv
+from qlab.grading.registry import Task, TaskResult, evaluate, size_limits
+from qlab.grading.sandbox import BWRAP, PYTHON, bwrap_argv
 
 __all__ = ["GradeOptions", "grade_in_kernels", "read_result", "parse_result", "RESULT_LIMIT"]
 
@@ -140,7 +139,7 @@ def kernel_env(opts: GradeOptions, work: Path, tasks: list[Task]) -> dict[str, s
 
 def _write_spec(base: Path, n: int, chan: Path, opts: GradeOptions, env: dict) -> str:
     """A kernel spec folder for kernel start ``n``; returns the folder to search."""
-    argv = [sys.executable, _LAUNCHER, "-f", "{connection_file}", "--HistoryManager.enabled=False"]
+    argv = [PYTHON, _LAUNCHER, "-f", "{connection_file}", "--HistoryManager.enabled=False"]
     if opts.isolation == BWRAP:
         work = env["HOME"]
         quota = {work: int(opts.disk_mb) * 2**20}
@@ -231,11 +230,13 @@ def _harness_cell(task: Task, cases: list, result_path: str) -> str:
     ).decode("ascii")
     guard = kernel_guard(task)
     guard_src = Path(guard.__file__).read_text(encoding="utf-8") if guard else None
+    sizes, rule = size_limits(task, cases)
     return (
         "exec(compile(" + repr(_HARNESS_SRC) + ", '<qlab grader>', 'exec'), "
         "__qlab_ns := {'__name__': '__qlab_grader__'})\n"
         f"__qlab_ns['_kernel_main'](globals(), {task.func_name!r}, {payload!r}, "
-        f"{result_path!r}, {RESULT_LIMIT}, {guard_src!r}, {task.implements!r})\n"
+        f"{result_path!r}, {RESULT_LIMIT}, {guard_src!r}, {task.implements!r}, "
+        f"{sizes!r}, {rule!r})\n"
         "del __qlab_ns\n"
     )
 

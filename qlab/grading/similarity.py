@@ -111,16 +111,18 @@ def write_similarity(
     known: list[str],
     forced: str | None = None,
     template_dir: Path = EXERCISES,
+    decided: dict[str, str] | None = None,
 ) -> int:
     """Write OUT/similarity.csv (assignment, submission_a, submission_b, similarity,
-    template); returns the number of pairs."""
+    template); returns the number of pairs. ``decided``: key -> the assignment a
+    submission was graded as (``qlab grade merge``), instead of reading it again."""
     by_assignment: dict[str, dict[str, list[tuple[str, ...]]]] = {}
     for key, path in submissions.items():
         found = _answer(path)
         if found is None:
             continue
         nb, source = found
-        name, _ = assignment_of(nb, path, known, forced)
+        name = (decided or {}).get(key) or assignment_of(nb, path, known, forced)[0]
         if name is not None:
             by_assignment.setdefault(name, {})[key] = normalise(source)
     buf = io.StringIO()

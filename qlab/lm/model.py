@@ -12,7 +12,9 @@ Every matrix multiply a quantizer cares about is an ``nn.Linear`` inside a block
 so weight-only and activation quantization can be applied to exactly those modules
 (see ``qlab.lm.quality``). Keys and values pass through ``Attention.kv_transform``
 (identity by default) before they are stored in the cache: that is the single place
-where a KV-cache quantizer is attached.
+where a per-token KV-cache quantizer is attached. ``Attention.qkv_transform`` (also None
+by default) sees the queries and ALL cached keys/values right before attention reads
+them, for schemes that need more than one token at a time (``qlab.kv``).
 
 Shapes: B batch, T new tokens, S cached + new tokens, H heads, D head dim, C = H * D.
 """
@@ -27,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+QKVTransform = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 VOCAB_SIZE = 256  # byte-level: every byte value is a token, no tokenizer needed
 
 
@@ -81,6 +86,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         # Applied to K and V (B, H, T, D) before they enter the cache / the attention.
         self.kv_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Applied to (q (B, H, T, D), k, v (B, H, S, D)) after the cache append, so it sees
+        # every cached position (the T queries sit at S - T..S - 1); returns (q, k, v) for
+        # this attention only, the cache keeps what kv_transform returned. See qlab.kv.
+        self.qkv_transform: QKVTransform | None = None
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache | None) -> torch.Tensor:
         B, T, C = x.shape
@@ -93,6 +102,8 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.layer_length(layer)  # not cache.length: earlier layers already appended
             k, v = cache.append(layer, k, v)
+        if self.qkv_transform is not None:
+            q, k, v = self.qkv_transform(q, k, v)
         S = k.shape[2]
         # Causal mask for T new queries at positions past..past+T-1 over S keys.
         # Plain math (not F.scaled_dot_product_attention) so a decode step and a full
@@ -112,9 +123,15 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
         self.fc2 = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+        # Applied to the GELU output (B, T, 4d) before fc2 (None: identity); QuaRot's online
+        # Hadamard sits here (qlab.ptq.quarot), so fc2's input quantizers see its output.
+        self.hidden_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        h = F.gelu(self.fc1(x))
+        if self.hidden_transform is not None:
+            h = self.hidden_transform(h)
+        return self.fc2(h)
 
 
 class Block(nn.Module):
@@ -138,6 +155,9 @@ class TinyLM(nn.Module):
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        # None: the output head is tied to tok_emb; an untied nn.Linear (d -> vocab) replaces
+        # it in qlab.ptq.quarot's folded copies. Not in linear_layers().
+        self.head: nn.Linear | None = None
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections
             if name.endswith(("proj.weight", "fc2.weight")):
@@ -165,6 +185,8 @@ class TinyLM(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for i, block in enumerate(self.blocks):
             x = block(x, i, cache)
+        if self.head is not None:
+            return self.head(self.ln_f(x))
         return self.ln_f(x) @ self.tok_emb.weight.T  # tied output head
 
     def new_cache(self) -> KVCache:
@@ -176,15 +198,17 @@ class TinyLM(nn.Module):
         cache = self.new_cache()
         logits = self(idx, cache)
         out = [idx]
-        for _ in range(n_new):
+        for i in range(n_new):
             nxt = logits[:, -1].argmax(dim=-1, keepdim=True)
             out.append(nxt)
-            logits = self(nxt, cache)
+            if i < n_new - 1:  # the last token's logits would go unused
+                logits = self(nxt, cache)
         return torch.cat(out, dim=1)
 
     def linear_layers(self) -> dict[str, nn.Linear]:
-        """The quantizable matmuls, by name, e.g. ``blocks.0.attn.qkv``."""
-        return {n: m for n, m in self.named_modules() if isinstance(m, nn.Linear)}
+        """The quantizable matmuls of the blocks, by name, e.g. ``blocks.0.attn.qkv``."""
+        return {n: m for n, m in self.named_modules()
+                if isinstance(m, nn.Linear) and n.startswith("blocks.")}
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

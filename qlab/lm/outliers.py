@@ -15,8 +15,10 @@ Each linear y = x W^T + b becomes a ``QuantLinear`` that runs, in this order:
                        calibration data). The attention output projection and fc2 are not
                        smoothed (their inputs come from attention and GELU, which no
                        LayerNorm can absorb 1/s into).
-    x Q                rotation, online: Q = hadamard(K) (applied with fwht) or
-                       random_rotation(K); W <- W Q (offline). x W^T = (x Q)(W Q)^T.
+    x Q                rotation, online: Q = hadamard(K) (applied with fwht),
+                       random_rotation(K), or D hadamard(K) with D a diagonal of random
+                       signs ("random_hadamard", QuaRot's randomized Hadamard: fwht(x * d));
+                       W <- W Q (offline). x W^T = (x Q)(W Q)^T.
     x_hat              activations fake-quantized, dynamically (scales from the input itself):
                        "token" = one scale per token, "tensor" = one scale for all the
                        activations of one sequence (a text, a window), None = the scheme's own
@@ -58,6 +60,7 @@ __all__ = [
     "rotation_overhead",
     "input_groups",
     "SMOOTHED",
+    "random_signs",
 ]
 
 # The layers SmoothQuant's reference smooths (those that read a LayerNorm output), by the end
@@ -98,14 +101,14 @@ class Recipe:
     acts: str | None = "int8"  # qlab scheme of the input x; None keeps float32
     act_granularity: str | None = "token"  # "token", "tensor" (per sequence) or None (blocks)
     smooth_alpha: float | None = None  # SmoothQuant migration strength in [0, 1]
-    rotation: str | None = None  # "hadamard" or "random"
+    rotation: str | None = None  # "hadamard", "random" or "random_hadamard"
     int8_threshold: float | None = None  # LLM.int8(): weights/acts above are not used
-    seed: int = 0  # of the random rotation
+    seed: int = 0  # of the random rotation (or of the random signs)
 
     def __post_init__(self) -> None:
-        if self.rotation not in (None, "hadamard", "random"):
-            raise ValueError(f"rotation must be None, 'hadamard' or 'random', got "
-                             f"{self.rotation!r}")
+        if self.rotation not in (None, "hadamard", "random", "random_hadamard"):
+            raise ValueError(f"rotation must be None, 'hadamard', 'random' or "
+                             f"'random_hadamard', got {self.rotation!r}")
         if self.act_granularity not in ("token", "tensor", None):
             raise ValueError("act_granularity must be 'token', 'tensor' or None")
 
@@ -113,6 +116,11 @@ class Recipe:
 @lru_cache(maxsize=8)
 def _random_rotation(n: int, seed: int) -> torch.Tensor:
     return random_rotation(n, seed)  # one QR per size, shared by the layers of that size
+
+
+def random_signs(n: int, seed: int = 0) -> torch.Tensor:
+    """(n,) float32 of +-1, seeded: the diagonal D of the randomized Hadamard D H."""
+    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)) * 2.0 - 1
 
 
 class QuantLinear(nn.Module):
@@ -139,9 +147,12 @@ class QuantLinear(nn.Module):
             w_absmax = weight_absmax(w) if smooth_weight_absmax is None else smooth_weight_absmax
             self.smooth = smooth_scales(act_absmax, w_absmax, recipe.smooth_alpha)
             w = w * self.smooth
-        self.rotation = None
+        self.rotation = self.signs = None
         if recipe.rotation == "hadamard":
             w = fwht(w)  # W Q with Q = hadamard(K): each row of W transformed
+        elif recipe.rotation == "random_hadamard":
+            self.signs = random_signs(self.in_features, recipe.seed)
+            w = fwht(w * self.signs)  # W D H
         elif recipe.rotation == "random":
             self.rotation = _random_rotation(self.in_features, recipe.seed)
             w = w @ self.rotation
@@ -157,6 +168,8 @@ class QuantLinear(nn.Module):
             x = x / self.smooth
         if self.recipe.rotation == "hadamard":
             x = fwht(x)
+        elif self.signs is not None:
+            x = fwht(x * self.signs)
         elif self.rotation is not None:
             x = x @ self.rotation
         return x

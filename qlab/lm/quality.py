@@ -109,7 +109,9 @@ def kl_per_token(ref_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tens
 class Comparison:
     """Baseline vs variant on the same windows. Each *_ci is a 95 % percentile-bootstrap
     interval over windows (resampled with replacement, the same windows for both models),
-    so it shows how much a figure could move with other text of the same kind."""
+    so it shows how much a figure could move with other text of the same kind; with few
+    windows a percentile bootstrap runs too narrow (notebook 07): use many windows, or a
+    t-interval."""
 
     ppl_ref: float  # perplexity of the baseline on the windows
     ppl: float  # perplexity of the variant

@@ -15,7 +15,8 @@ TinyLM's checkpoint:
     tinylm_gptq_int4_g64.pt    the GPTQ int4 g64 TinyLM as packed codes + fp16 scales: the
                                weights notebook 13 runs through the W4A16 Triton kernel
 
-tests/ptq/test_calibrate.py recomputes a row and the GPTQ weights and compares.
+tests/ptq/test_calibrate.py recomputes a TinyLM row, a MiniLM row and the GPTQ weights, and
+compares.
 """
 
 from __future__ import annotations
@@ -87,27 +88,40 @@ def tinylm_results() -> dict:
             "calib_sweep": sweep}
 
 
-def minilm_results() -> dict:
+def minilm_row(base, task, ref, inputs, method: str, act_order: bool, scheme: str) -> dict:
+    """One calibration of MiniLM, measured on the retrieval pairs against float32's `ref`."""
+    r = C.quantize_model(base, method, scheme, MINILM["group_size"], inputs=inputs,
+                         act_order=act_order, progress=False)
+    e = task.evaluate(r.model, ref)
+    return {"method": method, "act_order": act_order, "scheme": scheme,
+            "recall": e.recall_at_1, "recall_ci": _ci(e.recall_ci),
+            "hits": _bits(e.hits), "recall_change": e.recall_change,
+            "recall_change_ci": _ci(e.recall_change_ci),
+            "cosine": e.cosine, "cosine_ci": _ci(e.cosine_ci),
+            "rel_error_mean": sum(r.rel_errors.values()) / len(r.rel_errors),
+            "seconds": r.seconds}
+
+
+def minilm_setup():
+    """(MiniLM, its retrieval task, float32's evaluation, the calibration-input capturer)."""
     base = minilm.load()
     task = retrieval.RetrievalTask.build(MINILM["eval_pairs"])
     ref = task.evaluate(base)
     batches = [ids for _, ids in minilm.length_batches(
         retrieval.calibration_texts(MINILM["calib_texts"]), 64)]
     inputs = lambda m, name: C.capture_inputs(m, name, batches)  # noqa: E731
+    return base, task, ref, inputs
+
+
+def minilm_results() -> dict:
+    base, task, ref, inputs = minilm_setup()
     rows = []
     for scheme in SCHEMES:
         for method, act in VARIANTS:
-            r = C.quantize_model(base, method, scheme, MINILM["group_size"], inputs=inputs,
-                                 act_order=act, progress=False)
-            e = task.evaluate(r.model, ref)
-            rows.append({"method": method, "act_order": act, "scheme": scheme,
-                         "recall": e.recall_at_1, "recall_ci": _ci(e.recall_ci),
-                         "hits": _bits(e.hits), "recall_change": e.recall_change,
-                         "recall_change_ci": _ci(e.recall_change_ci),
-                         "cosine": e.cosine, "cosine_ci": _ci(e.cosine_ci),
-                         "rel_error_mean": sum(r.rel_errors.values()) / len(r.rel_errors),
-                         "seconds": r.seconds})
-            print(f"MiniLM {method}{'+act' if act else ''} {scheme}: {e.row()}")
+            row = minilm_row(base, task, ref, inputs, method, act, scheme)
+            rows.append(row)
+            print(f"MiniLM {method}{'+act' if act else ''} {scheme}: "
+                  f"recall {row['recall']:.3f}, cosine {row['cosine']:.4f}")
     return {**MINILM, "recall_ref": ref.recall_at_1, "recall_ref_ci": _ci(ref.recall_ci),
             "hits_ref": _bits(ref.hits), "rows": rows}
 

@@ -4,17 +4,23 @@ trained with the network.
 
     forward   u = x / s,  q = clamp(round(u), -Q, Q),  x_hat = q * s        (Q = 2^(b-1) - 1)
     backward  dx_hat/dx = 1 where -Q s <= x <= Q s, else 0           (the STE, as ste.py)
-              dx_hat/ds = round(u) - u   where -Q s <= x <= Q s      (paper, eq. 3)
+              dx_hat/ds = round(u) - u   where -Q s <= x <= Q s      (paper, eq. 3,
+                                                                  with Q_N = Q_P = Q)
                         = -Q             where x < -Q s
                         = +Q             where x > +Q s
               dL/ds     = g * sum over the elements sharing s of dL/dx_hat * dx_hat/ds
               g         = 1 / sqrt(N * Q)                               (paper, section 2.2)
 
-round(u) - u is where LSQ differs from earlier learned-scale methods (QIL, PACT), whose
-gradient is 0 inside the range: a value close to a rounding transition pushes hardest on
-the step size. N is the number of elements that share the scale: the layer's weight count
-for the paper's one scale per layer, the group size for one scale per group, and for an
-activation (one scale per layer input) the features of one example (the paper's N_F).
+The paper's signed grid is not symmetric: -Q_N..Q_P with Q_N = 2^(b-1), Q_P = 2^(b-1) - 1
+(int2: {-2, -1, 0, 1} * s), clamped-below gradient -Q_N, and Q_P in g and in the initial
+step. qlab uses its symmetric grid -Q..Q (Q = Q_P) throughout.
+
+round(u) - u is where LSQ differs from earlier learned-range methods (paper, Fig. 2): PACT's
+gradient is 0 everywhere below the clip point, QIL's depends only on the distance from the
+clip points; in LSQ a value close to a rounding transition pushes hardest on the step size.
+N is the number of elements that share the scale: the layer's weight count for the paper's
+one scale per layer, the group size for one scale per group, and for an activation (one
+scale per layer input) the features of one example (the paper's N_F).
 g keeps the step-size gradient on the scale of the weight gradients; it was derived for
 SGD. With Adam, which divides each gradient by its own running RMS, a constant factor
 on a parameter's gradient almost cancels: there, what sets the step size's speed is its

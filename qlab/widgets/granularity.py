@@ -65,7 +65,7 @@ INT_BITS = tuple(range(2, 9))
 GRANULARITIES: tuple[str | int, ...] = ("tensor", "channel", 256, 128, 64, 32, 16)
 
 DEFAULT_SHAPE = (64, 512)  # (rows = output channels, cols = reduction axis K)
-WEIGHT_STD = 0.02  # typical std of a trained linear layer's weights
+WEIGHT_STD = 0.02  # the usual init std (initializer_range of BERT, GPT-2, Llama configs)
 OUTLIER_EVERY = 4096  # one outlier per this many weights (8 in the default 32768)
 BULK_STD = 5.0  # the histogram shows +-5 std: the bulk, where the grid's resolution matters
 # fixed y range of the error plot (fixed axes let the widget redraw only what moves):
@@ -84,8 +84,10 @@ def make_weights(
     """Synthetic weights: N(0, 0.02^2) plus a few outliers of ``outlier_strength`` std.
 
     float32, ``shape`` (rows, K). One weight in 4096 (at seeded random positions) is
-    replaced by +-outlier_strength * 0.02; strength 0 (or anything under the ~4.5
-    std a Gaussian reaches anyway) leaves a plain Gaussian.
+    replaced by +-outlier_strength * 0.02 (its magnitude kept where larger);
+    strength 0 leaves a plain Gaussian, and a strength under the Gaussian's own largest
+    |w| (4.3 std for the default shape and seed; notebook 04) only raises those weights,
+    adding no outlier.
     """
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=gen) * WEIGHT_STD

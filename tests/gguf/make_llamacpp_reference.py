@@ -126,6 +126,25 @@ def library(cache: Path = CACHE) -> ctypes.CDLL:
     return ctypes.CDLL(str(so))
 
 
+def llama_cpp_or_skip():
+    """The llama_cpp module (llama-cpp-python) for the tests that run llama.cpp itself.
+
+    `make test-llamacpp` builds it (`make llamacpp`) and runs these tests with
+    QLAB_LLAMACPP=require, where a missing module FAILS. Elsewhere, `make test` and CI
+    included, they skip without it: a cold build of llama.cpp costs about 12 minutes of CPU
+    (718 s measured), which CI's 30-minute budget does not hold beside the rest."""
+    import pytest  # only the tests call this
+
+    try:
+        import llama_cpp
+    except ImportError as e:
+        reason = f"llama-cpp-python is not installed ({e}): run `make test-llamacpp`"
+        if os.environ.get("QLAB_LLAMACPP") == "require":
+            pytest.fail(f"{reason}; QLAB_LLAMACPP=require: these tests must run")
+        pytest.skip(reason)
+    return llama_cpp
+
+
 def run(lib: ctypes.CDLL, x: np.ndarray, name: str, imatrix: np.ndarray | None) -> np.ndarray:
     _, block, size = TYPES[name]
     rows, k = x.shape

@@ -67,6 +67,12 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             "F2 butterfly sign (b - a)",
             [("torch.stack((a + b, a - b), dim=-2)", "torch.stack((a + b, b - a), dim=-2)")],
         ),
+        (
+            "F4 forms the n x n matrix (the transform of eye(n)), then x @ H",
+            [(FW_RESHAPE, "y = torch.eye(n).reshape(-1, m, p)"),
+             (FW_RET, "return (x.reshape(-1, n).float() @ y.reshape(n, n) / math.sqrt(n))"
+                      ".reshape(x.shape)")],
+        ),
     ],
     "llm_int8_matmul": [
         ("I1 |x| > threshold (strict)", [(I8_COLS, I8_COLS.replace(">=", ">"))]),

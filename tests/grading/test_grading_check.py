@@ -294,6 +294,17 @@ def _feedback(gid: str, mutant_name: str, seed: int = 3) -> str:
         ("w8a8_matmul", "W4 round half up", ("integer sum over k", "s_x[", "exact ties")),
         ("w4a16_gemv", "W2 the first group's scale for every group", ("groups", "scales[")),
         ("kl_divergence", "K3 log(softmax) with nan_to_num", ("exactly 0", "log_softmax")),
+        # a pinned arithmetic order: the feedback names the operation that differs
+        ("sym_quantize", "S4 multiply by the reciprocal 1 / s", ("x * (1 / s) = ", "divide")),
+        ("group_quantize", "G4 multiply by the reciprocal", ("w * (1 / s) = ", "divide")),
+        ("group_quantize", "G3 codes from the unrounded float32 scales", ("unrounded float32",)),
+        ("w8a8_matmul", "W4 multiply by the reciprocal", ("v * (1 / s) rounds otherwise",)),
+        ("llm_int8_matmul", "I8 multiply by the reciprocal 1 / s", ("v * (1 / s) rounds",)),
+        ("gptq_block", "B6 group scale computed in float64", ("in float64, fp16(amax",)),
+        ("gptq_block", "B7 codes from a float64 division", ("in float64, w / s = ", "a tie")),
+        ("lsq_quantize", "L7 multiply by the reciprocal 1 / s", ("x * (1 / s) = ", "a tie")),
+        ("fp8_act_quant", "A3 s = amax * (1 / 448)", ("amax * (1 / 448) = ",)),
+        ("fp8_act_quant", "A4 x * (1 / s)", ("x * (1 / s) = ", "encodes otherwise")),
     ],
 )
 def test_feedback_shows_the_specs_intermediate_quantities(gid, mutant, words):

@@ -1,10 +1,14 @@
 """Issue 24: no credit the work did not earn, and no submission that can stop or poison a class.
 
-One small class of 01_affine notebooks is graded ONCE (module fixture), the way a careless
-instructor would start it: `python -m qlab.cli grade` from the repository root with
-PYTHONPATH pointing at it, `--jobs 2`, the sandbox on, `--forbid-reference`, and a small
-budget per submission (2 GB of memory, 256 processes and threads, 256 MB of files). The
-class holds honest students and one hostile submission of each kind:
+A class of 40 notebooks is graded ONCE (in the background from the start of the session:
+grading_bank.ClassRun), the way a careless instructor would start it: `python -m qlab.cli
+grade` from the repository root with PYTHONPATH pointing at it and `python` found through
+a relative PATH entry (`PATH=.venv/bin:$PATH`, which makes sys.executable relative),
+`--jobs 2`, `--sandbox auto` (which must still choose bwrap),
+`--forbid-reference`, and a small budget per submission (2 GB of memory, 256 processes and
+threads, 256 MB of files). The class holds honest students (alice and 28 more of
+01_affine, the cheapest exercise; bob's solved 12_outliers, where a size limit is checked)
+and one hostile submission of each kind:
 
 - borrower: the blank exercise plus the cell that binds every graded name to the
   registry's reference;
@@ -14,7 +18,9 @@ class holds honest students and one hostile submission of each kind:
 - forker: forks children that allocate 512 MB each; spawner: starts 400 processes;
 - file names: non-UTF-8 bytes, the same name in a/ and b/a/, a name that a spreadsheet
   would run as a formula, a byte-identical pair, a link to another student's notebook and
-  a link to a host file.
+  a link to a host file;
+- matrix builder (12_outliers): `fwht` forms the n x n matrix the spec forbids (right
+  values: only the task's size limit fails it; tests/grading/test_grading_guard.py).
 Every honest submission must keep its full marks.
 """
 
@@ -22,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import json
 import os
 import re
 import subprocess
@@ -32,6 +37,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from grading_bank import ClassRun
+from test_grading_guard import MATRIX_FWHT
 
 from qlab.grading import CheckFailed, check, get_task, sandbox
 from qlab.grading.registry import evaluate, make_cases
@@ -39,6 +46,8 @@ from qlab.grading.similarity import normalise, pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = 5
+HONEST = 28  # besides alice and bob: with the 10 other entries, a class of 40
+MAXES = {"matrix_12_outliers": 8, "bob_12_outliers": 8}  # 12_outliers (else FULL: 01_affine)
 MEM_MB, PROCS, DISK_MB = 2048, 256, 256
 SECRET = f"TOPSECRET-{os.getpid()}"
 FORMULA = '=HYPERLINK("evil")_01_affine'
@@ -136,7 +145,11 @@ def _class(base: Path) -> dict[str, int]:
         "forker_01_affine": (_edit(sol, None, FORKER), FULL),
         "spawner_01_affine": (_edit(sol, None, SPAWNER), FULL),
         f"a/{ODD}": (_edit(sol, note="a"), FULL),
+        "bob_12_outliers": (_nb("12_outliers"), 8),
+        "matrix_12_outliers": (_edit(_nb("12_outliers"), {"fwht_solution": MATRIX_FWHT}), 5),
     }
+    for i in range(HONEST):  # distinct files (not duplicates), the same code
+        books[f"student{i:02d}_01_affine"] = (_edit(sol, note=f"student {i}"), FULL)
     for name, (nb, _) in books.items():
         nbformat.write(nb, str(subs / f"{name}.ipynb"))
     copy_of_a = (subs / f"a/{ODD}.ipynb").read_bytes()
@@ -155,27 +168,44 @@ def _key(name: str) -> str:
     return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    if sandbox.resolve("auto").level != sandbox.BWRAP:  # CI installs bubblewrap
-        pytest.fail("bubblewrap must work here (make system-deps)")
-    base = tmp_path_factory.mktemp("hostile")
+def _write(base: Path) -> tuple[Path, dict[str, int]]:
     expected = _class(base)
-    out = base / "out"
-    argv = [sys.executable, "-m", "qlab.cli", "grade", str(base / "subs"), "--out", str(out)]
-    argv += ["--jobs", "2", "--sandbox", "on", "--forbid-reference", "--seed", "25"]
+    return base / "subs", {_key(k): v for k, v in expected.items()}
+
+
+def _commands(subs: Path, out: Path, jobs: int) -> list[list[list[str]]]:
+    argv = [EXE.name, "-m", "qlab.cli", "grade", str(subs), "--out", str(out)]
+    argv += ["--jobs", "2", "--sandbox", "auto", "--forbid-reference", "--seed", "25"]
     argv += ["--mem-mb", str(MEM_MB), "--procs", str(PROCS), "--disk-mb", str(DISK_MB)]
     argv += ["--timeout", "60", "--quiet"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # as if run from a checkout, by hand
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads((out / "grades.json").read_text())
-    with open(out / "grades.csv", newline="", encoding="utf-8") as f:
-        table = list(csv.DictReader(f))
+    return [[argv]]  # --jobs 2 as the instructor typed it, whatever `jobs` the session has
+
+
+EXE = Path(sys.executable)
+PATH = f"{os.path.relpath(EXE.parent, ROOT)}{os.pathsep}{os.environ['PATH']}"
+# graded in the background from the start of the session (grading_bank.ClassRun), from a
+# checkout by hand: cwd is the repository, `python` is found through a relative PATH entry
+CLASS_RUN = ClassRun(
+    write=_write,
+    commands=_commands,
+    limit_s=900,
+    cwd=ROOT,
+    env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": PATH},
+)
+
+
+@pytest.fixture(scope="module")
+def graded():
+    if sandbox.resolve("auto").level != sandbox.BWRAP:  # CI installs bubblewrap
+        pytest.fail("bubblewrap must work here (make system-deps)")
+    run = CLASS_RUN.result()
+    out = run["out"]
+    doc = run["doc"]
+    table = run["rows"]
     with open(out / "similarity.csv", newline="", encoding="utf-8") as f:
         similar = list(csv.DictReader(f))
     return {"rows": doc["submissions"], "table": table, "similar": similar, "out": out,
-            "expected": {_key(k): v for k, v in expected.items()}}
+            "expected": run["written"]}
 
 
 def _feedback(row) -> dict[str, str]:
@@ -185,10 +215,26 @@ def _feedback(row) -> dict[str, str]:
 def test_the_class_finishes_and_honest_marks_are_unchanged(graded):
     rows = graded["rows"]
     assert sorted(rows) == sorted(graded["expected"])
+    assert len(rows) == 40
     for key, want in graded["expected"].items():
         row = rows[key]
         assert row["status"] == "graded", (key, row["log"])
-        assert (row["total"], row["max"]) == (want, FULL), (key, _feedback(row), row["log"])
+        assert row["isolation"] == "bwrap", key  # a relative sys.executable kept the sandbox
+        assert row["max"] == MAXES.get(key, FULL), key
+        if key == "spawner_01_affine":  # on a loaded machine its 400 `sleep 60` processes
+            # have outlived the kill of the cell that started them and cost its first task
+            # (a breach of 400+ threads measured there): only its own points, and said so
+            lost = [t for t in row["tasks"].values() if t["score"] < t["max"]]
+            assert all("went over its budget" in t["feedback"] for t in lost), row
+            continue
+        assert row["total"] == want, (key, _feedback(row), row["log"])
+
+
+def test_a_forbidden_matrix_costs_only_its_task(graded):
+    tasks = graded["rows"]["matrix_12_outliers"]["tasks"]
+    assert tasks["fwht"]["score"] == 0 and "SizeLimit" in tasks["fwht"]["feedback"]
+    assert "the spec forbids forming the n x n matrix" in tasks["fwht"]["feedback"]
+    assert tasks["smooth_scales"]["score"] == 2 and tasks["llm_int8_matmul"]["score"] == 3
 
 
 def test_borrowing_is_recorded_and_forbidden(graded):

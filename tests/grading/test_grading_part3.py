@@ -5,33 +5,35 @@ chapters through `check` on many seeds; here real (sandboxed) kernels grade, per
 assignment, the solution (full marks), the untouched exercise (zero) and the notebook
 carrying the first mutant of every task (loses exactly those tasks' points)."""
 
-import json
-
-import nbformat
 import pytest
-from grading_bank import EXERCISES, load, mutant_notebooks
+from grading_bank import EXERCISES, ClassRun, load, mutant_notebooks
 
-from qlab.cli import main
 from qlab.grading import assignment_tasks, assignments
 
 PART3 = ("12_outliers", "13_gptq_awq", "14_qat", "15_gguf")
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
+def _cases():
     cases = {}
     for a in PART3:
         cases[f"solution_{a}"] = (a, load(a), set())
         cases[f"exercise_{a}"] = (a, load(a, EXERCISES), set(assignments()[a]))
         assignment, nb, wrong = mutant_notebooks((a,))[f"mutant0_{a}"]
         cases[f"mutant0_{a}"] = (assignment, nb, wrong)
-    subs = tmp_path_factory.mktemp("subs")
-    for name, (_, nb, _) in cases.items():
-        nbformat.write(nb, str(subs / f"{name}.ipynb"))
-    out = tmp_path_factory.mktemp("out")
-    argv = ["grade", str(subs), "--out", str(out), "--jobs", "2", "--timeout", "120"]
-    assert main([*argv, "--wall", "300", "--seed", "15", "--quiet"]) == 0
-    return cases, json.loads((out / "grades.json").read_text())
+    return cases
+
+
+CASES = _cases()
+# graded in the background while the tests before this module run (tests/conftest.py)
+CLASS_RUN = ClassRun(
+    lambda: CASES,
+    ["--timeout", "120", "--wall", "300", "--seed", "15"],
+)
+
+
+@pytest.fixture(scope="module")
+def graded():
+    return CASES, CLASS_RUN.result()["doc"]
 
 
 @pytest.mark.parametrize("assignment", PART3)

@@ -2,9 +2,10 @@
 
 One class of submissions is graded ONCE per module, as a batch system would: two
 `qlab grade --shard I/2` processes at the same time (sandbox required), then `qlab grade
-merge`. The class holds attackers (a result-forging daemon, a kernel killer, a parent
-killer, a notebook that looks for the other students' notebooks to copy them, a student
-who silences stdout, file-name/metadata mismatches) and correct victims. Separate, small
+merge`, in the background from the start of the session (grading_bank.ClassRun). The
+class holds attackers (a result-forging daemon, a kernel killer, a parent killer, a
+notebook that looks for the other students' notebooks to copy them, a student who silences
+stdout, file-name/metadata mismatches) and correct victims. Separate, small
 runs cover a dead worker without a sandbox (--jobs 1 and 2), oversized and deeply nested
 results (with the grader's own peak memory), and the pieces without kernels.
 """
@@ -12,7 +13,9 @@ results (with the grader's own peak memory), and the pieces without kernels.
 from __future__ import annotations
 
 import copy
+import csv
 import functools
+import io
 import json
 import os
 import subprocess
@@ -23,10 +26,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from grading_bank import ClassRun
 
 from qlab.cli import main
 from qlab.grading import sandbox
-from qlab.grading.grader import GradeOptions, grade_many, submission_keys
+from qlab.grading.grader import GradeOptions, grade_many, merge, submission_keys
 from qlab.grading.results import SubmissionRow, load_results, merge_results, write_results
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,34 +181,39 @@ def _marked_processes() -> list[int]:
     return pids
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    _require_bwrap()
-    base = tmp_path_factory.mktemp("hostile")
-    subs, out = base / "submissions", base / "grades"
-    notebooks = _class(subs, out)
+def _write_class(base: Path) -> tuple[Path, dict[str, tuple[nbformat.NotebookNode, int]]]:
+    subs = base / "submissions"
+    notebooks = _class(subs, base / "out")  # ClassRun grades into base/out
     _write(subs, notebooks)
+    return subs, notebooks
+
+
+def _shards_then_merge(subs: Path, out: Path, jobs: int) -> list[list[list[str]]]:
     argv = [sys.executable, "-m", "qlab.cli", "grade", str(subs), "--out", str(out)]
     argv += ["--seed", str(SEED), "--timeout", "20", "--sandbox", "on", "--quiet"]
-    start = time.monotonic()
-    shards = [
-        subprocess.Popen([*argv, "--shard", f"{i}/2"], stderr=subprocess.PIPE, text=True)
-        for i in (1, 2)
-    ]
-    errs = [p.communicate(timeout=600)[1] for p in shards]
-    seconds = time.monotonic() - start
-    assert [p.returncode for p in shards] == [0, 0], errs
-    assert main(["grade", "merge", str(out), "--out", str(out)]) == 0
+    shards = [[*argv, "--shard", f"{i}/2"] for i in (1, 2)]  # at the same time, --jobs 1
+    merge = [sys.executable, "-m", "qlab.cli", "grade", "merge", str(out), "--out", str(out)]
+    return [shards, [merge]]
+
+
+# graded in the background from the start of the session (grading_bank.ClassRun)
+CLASS_RUN = ClassRun(write=_write_class, commands=_shards_then_merge, limit_s=600)
+
+
+@pytest.fixture(scope="module")
+def graded():
+    _require_bwrap()
+    run = CLASS_RUN.result()  # both shards and the merge returned 0
     time.sleep(2)  # a daemon that outlived its sandbox would strike now
+    out = run["out"]
     header, rows = load_results(out)
     return {
-        "subs": subs,
+        "subs": run["subs"],
         "out": out,
-        "notebooks": notebooks,
+        "notebooks": run["written"],
         "rows": rows,
         "header": header,
-        "errs": errs,
-        "seconds": seconds,
+        "seconds": run["seconds"],
     }
 
 
@@ -258,6 +267,29 @@ def test_shards_partition_the_class_and_merge(graded):
     assert parts[1] | parts[2] == set(graded["notebooks"])
     assert graded["header"]["seed"] == SEED and graded["header"]["isolation"] == "bwrap"
     print(f"{graded['seconds'] / len(graded['notebooks']):.2f} s per submission, 2 shards")
+
+
+def test_merge_writes_one_similarity_report_over_every_shard(graded, tmp_path):
+    out = graded["out"]
+    merged = (out / "similarity.csv").read_text(encoding="utf-8")
+    shards = [(out / f"shard-{i}-of-2" / "similarity.csv").read_text("utf-8") for i in (1, 2)]
+    assert shards == [merged, merged]  # each shard reads the whole class: the same report
+    pairs = [(r["submission_a"], r["submission_b"]) for r in csv.DictReader(io.StringIO(merged))]
+    first = set(load_results(out / "shard-1-of-2")[1])
+    assert any((a in first) != (b in first) for a, b in pairs)  # pairs across the shards
+    assert ("victim1_01_affine", "victim2_01_affine") in pairs
+    # a file gone since it was graded is left out of the merged report, and named
+    gone = tmp_path / "shards"
+    for i in (1, 2):
+        doc = json.loads((out / f"shard-{i}-of-2" / "grades.json").read_text())
+        if "victim1_01_affine" in doc["submissions"]:
+            doc["submissions"]["victim1_01_affine"]["path"] = str(tmp_path / "nowhere.ipynb")
+        (gone / str(i)).mkdir(parents=True)
+        (gone / str(i) / "grades.json").write_text(json.dumps(doc))
+    info = merge([gone], tmp_path / "merged")
+    assert info["similarity_skipped"] == ["victim1_01_affine"]
+    again = (tmp_path / "merged" / "similarity.csv").read_text(encoding="utf-8")
+    assert "victim2_01_affine" in again and "victim1_01_affine" not in again
 
 
 def test_merge_refuses_incomplete_or_inconsistent_shards(graded, tmp_path, capsys):
@@ -511,3 +543,23 @@ def test_grade_many_needs_a_visible_python():
     # an output folder that holds the virtual environment cannot be hidden from kernels
     with pytest.raises(ValueError, match="put the submissions and the output folder elsewhere"):
         grade_many([ROOT / "solutions"], ROOT, opts=GradeOptions(sandbox="on"), progress=False)
+
+
+def test_a_python_found_through_a_relative_path_keeps_the_sandbox(tmp_path):
+    """`PATH=.venv/bin:$PATH python -m qlab.cli grade`: sys.executable is then relative, and
+    a kernel started from it inside the sandbox (another folder) would not start: the probe
+    failed and `--sandbox auto` fell back to no sandbox. The kernels get the absolute path."""
+    _require_bwrap()
+    exe = Path(sys.executable)
+    relative_bin = os.path.relpath(exe.parent, tmp_path)
+    probe = (
+        "import os, sys\nfrom qlab.grading import sandbox\n"
+        "print(os.path.isabs(sys.executable), sandbox.PYTHON, sandbox.resolve('auto').level)"
+    )
+    env = {**os.environ, "PATH": f"{relative_bin}{os.pathsep}{os.environ['PATH']}"}
+    run = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([exe.name, "-c", probe], **run)
+    relative, python, level = done.stdout.split()
+    assert relative == "False", "this Python makes sys.executable absolute: no longer a test"
+    assert os.path.isabs(python) and os.path.samefile(python, sys.executable)
+    assert level == sandbox.BWRAP, done.stderr[-2000:]

@@ -28,7 +28,7 @@ def test_cpu_mode_checks_every_candidate_and_writes_a_labelled_model(tmp_path, c
     assert all("time_s" not in r for r in checked["rows"])  # interpreter: never timed
     ours = [r for r in checked["rows"] if r["kernel"] == "w4a16"]
     assert [r["launches"][-1]["kernel"] for r in ours] == [
-        "_w4a16_gemv_kernel", "_w4a16_gemm_kernel", "_w4a16_gemm_kernel"
+        "_w4a16_gemv_mma_kernel", "_w4a16_gemm_kernel", "_w4a16_gemm_kernel"
     ]
     model = json.loads((tmp_path / "roofline_model_H100-SXM.json").read_text())
     assert model["kind"] == "roofline model (not measured)"

@@ -23,7 +23,9 @@ def test_every_config_is_a_legal_tile():
     for (kernel, bucket), cands in configs.CONFIGS.items():
         for c in cands:
             assert c.block_k >= 16 and c.block_k & (c.block_k - 1) == 0, c
-            assert c.num_warps in (2, 4, 8) and c.num_stages >= 2, c
+            # the W4A16 decode GEMV loads straight into registers: no pipeline stages
+            stages = 1 if (kernel, bucket) == ("w4a16", "decode") else 2
+            assert c.num_warps in (2, 4, 8) and c.num_stages >= stages, c
             if bucket != "decode" or kernel == "fp8":  # wgmma: 64 rows per warpgroup
                 assert c.block_n % (16 * c.num_warps) == 0, c
 
@@ -85,7 +87,7 @@ def test_recording_sees_what_ran(monkeypatch):
     with configs.recording() as log:
         qk.w4a16_linear(x, w)
     assert [launch.describe() for launch in log] == [{
-        "kernel": "_w4a16_gemv_kernel", "grid": [2, 2],  # 2 row blocks, K split in 2
-        "config": {"block_m": 1, "block_n": 32, "block_k": 128, "num_warps": 4,
-                   "num_stages": 4, "group_m": 8}}]  # fmt: skip
+        "kernel": "_w4a16_gemv_mma_kernel", "grid": [1, 2],  # 1 row block, K split in 2
+        "config": {"block_m": 1, "block_n": 128, "block_k": 128, "num_warps": 4,
+                   "num_stages": 1, "group_m": 8}}]  # fmt: skip
     assert configs.Config(16, 64, 128).as_dict()["num_stages"] == 3

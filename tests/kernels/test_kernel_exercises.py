@@ -6,16 +6,13 @@ solution and every known-wrong kernel (tests/grading/mutants_kernels.py, merged 
 grading_bank.MUTANTS) through `check`; here a small class of kernel submissions is graded
 by real kernels, and exercises/ must match `qlab assign`."""
 
-import json
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
 import qlab.kernels  # noqa: F401  (picks the CPU interpreter when there is no GPU)
-from qlab.cli import main
 from qlab.grading import all_tasks, assignment_tasks, assignments
 from qlab.grading.tasks._bounds import OutOfBounds, checking
 
@@ -43,7 +40,7 @@ def test_every_kernel_task_has_mutants_and_runs_on_the_interpreter_when_graded()
         assert all_tasks()[gid].kernel_env == {"TRITON_INTERPRET": "1"}
 
 
-def test_qlab_grade_scores_a_class_of_kernel_submissions(tmp_path):
+def _class() -> grading_bank.Cases:
     # solution: full marks; untouched exercise: zero; first mutant of each task: loses it
     cases = {}
     for a in ASSIGNMENTS:
@@ -56,14 +53,22 @@ def test_qlab_grade_scores_a_class_of_kernel_submissions(tmp_path):
         swap = {f"{g}_solution": _mutant(g, n) for g, n in UNMASKED if g in assignments()[a]}
         wrong = {k.removesuffix("_solution") for k in swap}
         cases[f"unmasked_{a}"] = (a, grading_bank.with_cells(grading_bank.load(a), swap), wrong)
-    subs = tmp_path / "subs"
-    subs.mkdir()
-    for name, (_, nb, _) in cases.items():
-        nbformat.write(nb, str(subs / f"{name}.ipynb"))
-    out = tmp_path / "out"
-    argv = ["grade", str(subs), "--out", str(out), "--jobs", "2", "--timeout", "60"]
-    assert main([*argv, "--wall", "180", "--seed", "7", "--quiet"]) == 0
-    doc = json.loads((out / "grades.json").read_text())
+    return cases
+
+
+# graded in the background while the tests before this module run (tests/conftest.py)
+CLASS_RUN = grading_bank.ClassRun(
+    _class, ["--timeout", "60", "--wall", "180", "--seed", "7"]
+)
+
+
+@pytest.fixture(scope="module")
+def graded():
+    return CLASS_RUN.result()["doc"]
+
+
+def test_qlab_grade_scores_a_class_of_kernel_submissions(graded):
+    cases, doc = _class(), graded
     for name, (assignment, _, wrong) in cases.items():
         row = doc["submissions"][name]
         for task in assignment_tasks(assignment):

@@ -46,6 +46,7 @@ x = torch.randn(2, 256).bfloat16().to(DEVICE)
 w8 = pack_fp8(weight)
 far8 = w8._replace(codes=far_apart(w8.codes.view(torch.uint8)).view(w8.codes.dtype))
 w4 = pack_w4a16(weight.bfloat16(), 128)
+w4 = w4._replace(words=None)  # the plain-layout GEMV, which reads packed
 far4 = w4._replace(packed=far_apart(w4.packed))
 for m in (1, 2):  # FP8 swap-AB with and without split-K; the W4A16 GEMV and GEMM
     print(torch.equal(fp8_linear(x[:m], far8), fp8_linear(x[:m], w8)),

@@ -53,26 +53,30 @@ def test_matches_reference(m, n, k, group_size, dtype):
 
 def _launch(m, n, k, g=128, dtype=torch.float16):
     x = torch.empty(m, k, dtype=dtype)  # plan() reads shapes and strides only
+    words = torch.empty(-(-n // 32), 4 * k, dtype=torch.int32) if g % 128 == 0 else None
     w = W4A16Weight(torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // g).half(),
-                    g, (n, k))  # fmt: skip
+                    g, (n, k), words)  # fmt: skip
     config = configs.configs_for("w4a16", m)[0]
     return w4a16_module.plan(x, w, torch.empty(m, n, dtype=dtype), config, configs.H100_SMS)
 
 
 def test_split_k_fills_an_h100_and_is_deterministic():
-    # N = K = 4096 at decode: 128 row blocks of 32 would leave 4 of 132 SMs idle and give
-    # one program per SM; split-K 4 gives 512 programs, >= 2 per SM.
+    # N = K = 4096 at decode: 32 row blocks of 128 would leave 100 of 132 SMs idle; split-K
+    # 16 gives 512 programs, >= 2 per SM.
     launch = _launch(1, 4096, 4096)
-    assert launch.kernel is w4a16_module._w4a16_gemv_kernel
-    assert launch.grid == (128, 4)
+    assert launch.kernel is w4a16_module._w4a16_gemv_mma_kernel
+    assert launch.grid == (32, 16)
     assert launch.grid[0] * launch.grid[1] >= 2 * configs.H100_SMS
     # a large layer needs no split
-    assert _launch(1, 28672, 8192).grid == (896, 1)
-    # the interpreter takes the same path: 2 row blocks x 4 splits of K = 512
+    assert _launch(1, 57344, 8192).grid == (448, 1)
+    # a group that is not a multiple of 128: the plain-layout GEMV, 128 blocks of 32 rows
+    assert _launch(1, 4096, 4096, g=64).kernel is w4a16_module._w4a16_gemv_kernel
+    assert _launch(1, 4096, 4096, g=64).grid == (128, 4)
+    # the interpreter takes the same path: 1 row block x 4 splits of K = 512
     torch.manual_seed(5)
     weight, x = torch.randn(64, 512) * 0.05, torch.randn(1, 512).half()
     packed = pack_w4a16(weight.to(DEVICE), 128)
-    assert _launch(1, 64, 512).grid == (2, 4)
+    assert _launch(1, 64, 512).grid == (1, 4)
     y1, y2 = w4a16_linear(x.to(DEVICE), packed), w4a16_linear(x.to(DEVICE), packed)
     assert torch.equal(y1, y2)  # partial sums added in a fixed order
     assert_within_bound(y1, x, weight, 128)

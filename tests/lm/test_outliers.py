@@ -32,7 +32,8 @@ def test_float_recipes_are_the_linear_layer():
     for r in (Recipe(weights=None, acts=None),
               Recipe(weights=None, acts=None, smooth_alpha=0.5),
               Recipe(weights=None, acts=None, rotation="hadamard"),
-              Recipe(weights=None, acts=None, rotation="random", seed=4)):
+              Recipe(weights=None, acts=None, rotation="random", seed=4),
+              Recipe(weights=None, acts=None, rotation="random_hadamard", seed=4)):
         y = QuantLinear(lin, r, amax)(x)
         assert y.shape == (3, 10, 96)
         assert torch.allclose(y.double(), ref, rtol=0, atol=2e-4), r  # fp32 sums of 192 terms
@@ -74,6 +75,15 @@ def test_smoothing_rotation_and_block_formats_follow_their_definitions():
     y = QuantLinear(lin, Recipe(acts="int8", rotation="random", seed=3))(x)
     expected = fake_quantize(x @ q, "int8", "channel") @ fake_quantize(w @ q, "int8", "channel").T
     assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5)
+    d = outliers.random_signs(192, 2)
+    assert set(d.tolist()) == {-1.0, 1.0}  # both signs drawn
+    dh = torch.diag(d) @ h  # QuaRot's randomized Hadamard D H
+    y = QuantLinear(lin, Recipe(weights="int4", acts="int4", rotation="random_hadamard",
+                                seed=2))(x)
+    expected = fake_quantize(x @ dh, "int4", "channel") @ fake_quantize(w @ dh, "int4",
+                                                                        "channel").T
+    assert torch.allclose(y, expected, rtol=1e-4, atol=1e-3)  # as for H above
+    assert not torch.equal(outliers.random_signs(192, 2), outliers.random_signs(192, 3))
     y = QuantLinear(lin, Recipe(weights="nvfp4", acts="nvfp4", act_granularity=None))(x)
     expected = fake_quantize(x.reshape(-1, 192), "nvfp4") @ fake_quantize(w, "nvfp4").T
     assert torch.allclose(y.reshape(-1, 96), expected, rtol=1e-5, atol=1e-5)

@@ -84,3 +84,27 @@ def nf4_rounding(u: float) -> str:
             f"gives code {k}"
         )
     return f"u = {num(u)}: nearest level {num(levels[code])} (code {code})"
+
+
+def int8_row_note(name: str, v: torch.Tensor) -> str:
+    """The fp16 scale of one symmetric int8 row v (qmax 127) and the columns where the
+    spec's v / s differs from a common variant: an exact tie, x * (1 / s), the float32 scale,
+    and whether fp16(max|v|) / 127 gives another scale."""
+    s32 = v.abs().max() / 127
+    s = s32.half().float()
+    head = f"{name}: s = fp16(max|row| / 127) = {num(s)}"
+    if s32.half() != (v.abs().max().half().float() / 127).half():
+        head += " (fp16(max|row|) / 127 would give another s: divide first, then round)"
+    if s == 0:
+        return head + " (an all-zero row: codes 0)"
+    u = v / s
+    notes = {
+        "exact ties v / s (round half to even)": ((u - u.floor()) == 0.5),
+        "v * (1 / s) rounds otherwise (divide)": torch.round(v * (1 / s)) != torch.round(u),
+        "v / the float32 s rounds otherwise (use the fp16 s)": torch.round(v / s32)
+        != torch.round(u),
+    }
+    for what, where in notes.items():
+        if where.any():
+            head += f"; {what} at columns {where.nonzero().flatten().tolist()[:6]}"
+    return head

@@ -11,6 +11,8 @@ sym_quantize(x, bits) -> (codes int8, scale fp16 0-d)
   S3 codes divide by the STORED fp16 scale, not the fp32 one ........ "fp16 straddle"
   S4 a true division x / s, not x * (1 / s) ......................... "ties" (trap scale)
   S5 round half to even, both signs ................................. "ties"
+  (S3, S4, S6, A7, A8 pin qlab.quantize's order on purpose: the spec's first sentence says so
+  and why, and the feedback names x * (1 / s), the float32 scale or fp16(amax) where they differ)
   (the clamp to +-qmax never acts: |x / s| <= qmax * (1 + 2^-11) < qmax + 0.5; an all-zero
   tensor ("zeros", every run) must give scale 0 and codes 0, but without the divide-by-1
   guard 0 / 0 = NaN casts to code 0 on this torch: the guard is advice, not graded)

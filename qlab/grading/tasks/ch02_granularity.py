@@ -11,6 +11,8 @@ group_quantize(w, bits, g) -> (codes int8 (R, K), scales fp16 (R, K // g))
   G3 codes divide by the STORED fp16 scale .......................... "mixed groups" straddle
   G4 a true division, not x * (1 / s) ............................... "mixed groups" ties
   G5 round half to even ............................................. "mixed groups" ties
+  (G3, G4, G6 pin qlab.quantize's order on purpose, as in chapter 01: the spec's first sentence
+  says so, and the feedback names w * (1 / s), the float32 scale or fp16(amax) where they differ)
   (the clamp to +-qmax never acts, as in chapter 01; the all-zero group, every run, must
   give scale 0 and codes 0, though a missing divide-by-1 guard is invisible there too)
 bits_per_weight(bits, g, scale_bits, zero_bits) -> float
@@ -63,7 +65,14 @@ def _group_explain(args, m: Mismatch) -> str:
     if s == 0:
         return head + " (an all-zero group: divide by 1, codes 0)"
     x = float(w[r, k])
-    return f"{head}; w = {num(x)}, w / s = {int_rounding(div32(x, s))}"
+    note = f"{head}; w = {num(x)}, w / s = {int_rounding(div32(x, s))}"
+    recip = float(torch.tensor(x) * (1 / torch.tensor(s)))
+    if round(recip) != round(div32(x, s)):
+        note += f" (w * (1 / s) = {num(recip)} rounds otherwise: divide)"
+    s32 = float(group.abs().max() / qmax)
+    if round(div32(x, s32)) != round(div32(x, s)):
+        note += f" (w / the unrounded float32 scale = {num(div32(x, s32))}: divide by the fp16 s)"
+    return note
 
 
 @task("group_quantize", "group_quantize", points=3,

@@ -42,7 +42,7 @@ BLOCK = 64
       compare=close(rtol=0.0, atol=1e-6),
       signature="nf4_levels(offset) -> 16 float32 levels, ascending, in [-1, 1]")
 def _levels_cases(g: torch.Generator):
-    # a fresh offset each time (QLoRA uses 0.9677083), so a pasted table cannot pass
+    # a fresh offset each time (bitsandbytes uses 0.9677083), so a pasted table cannot pass
     offsets = torch.empty(3).uniform_(0.93, 0.995, generator=g)
     return [(float(o),) for o in offsets] + [(0.9677083,)]
 

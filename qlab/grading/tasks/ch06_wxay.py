@@ -21,6 +21,8 @@ w8a8_matmul(x (M, K), w (N, K)) -> float32 (M, N)
   W6 the float32 amax divided, then rounded to fp16 (not fp16(amax)) . "loud token" row 0
   W4 round half to even, true division .............................. "one-hot" ties
   W5 integer codes multiplied and summed exactly, rescaled once ..... every case
+  (W3, W4, W6 pin qlab.quantize's order on purpose: the spec's first sentence says so, and the
+  feedback names v * (1 / s), the float32 scale or fp16(amax) where they differ)
   The one-hot case makes single codes visible: row n of w is zero but for one weight at
   column k_n, so y[m, n] = q_x[m, k_n] * 127 * s_x[m] * s_w[n].
 """
@@ -40,7 +42,7 @@ from qlab.grading.tasks._inputs import (
     reciprocal_trap,
     weights,
 )
-from qlab.grading.tasks._spec import hex_byte, num
+from qlab.grading.tasks._spec import hex_byte, int8_row_note, num
 
 task = tasks_for("06_wxay")
 
@@ -113,13 +115,10 @@ def _w8a8_explain(args, m: Mismatch) -> str:
     qx, qw = (qlab.quantize(t, "int8", "channel") for t in (x, w))
     s_x, s_w = qx.scales.reshape(-1)[r], qw.scales.reshape(-1)[n]
     dot = int((qx.codes[r].long() * qw.codes[n].long()).sum())
-    y = x[r] / s_x.float()
-    ties = int(((y - y.floor()) == 0.5).sum())
-    note = f"; {ties} elements of that row of x are exact ties (round half to even)" if ties else ""
     return (
         f"y[{r}, {n}] = (integer sum over k of q_x[{r}, k] * q_w[{n}, k] = {dot}) * "
-        f"s_x[{r}] * s_w[{n}], with s_x[{r}] = fp16(amax of x row {r} / 127) = {num(s_x)} and "
-        f"s_w[{n}] = fp16(amax of w row {n} / 127) = {num(s_w)}{note}"
+        f"s_x[{r}] * s_w[{n}], with s_x[{r}] = {num(s_x)}, s_w[{n}] = {num(s_w)}; "
+        + int8_row_note(f"x row {r}", x[r]) + "; " + int8_row_note(f"w row {n}", w[n])
     )
 
 

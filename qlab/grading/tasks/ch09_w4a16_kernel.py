@@ -48,7 +48,7 @@ def _explain(args, m: Mismatch) -> str:
     )
 
 
-# Tolerance: every product is exact in fp32 and the kernel sums the same terms in another
+# Tolerance: the kernel sums the same terms (each product rounded at most once) in another
 # order (<= K * 2**-24 * sum |x| |w_hat| ~ 1e-6 here); a kernel that rounds c * s to fp16
 # before the dot adds up to 2**-11 of each term (~5e-4 RMS for these inputs). A wrong
 # nibble order, scale or group index errs by 1e-2 to 1e0.

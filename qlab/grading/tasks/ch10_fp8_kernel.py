@@ -10,6 +10,8 @@ fp8_act_quant(x (M, K)) -> (codes uint8 (M, K), scales fp32 (M,))   [BLOCK_K = 1
   A4 q = E4M3(x / s), a true division (not x * (1 / s)) .............. "edges" row 2
   A5 E4M3 round half to even (ties, via round_to_e4m3) ............... "edges" row 3
   A6 an all-zero row: s = 0, divide by 1 ............................. "zero row"
+  (A3, A4: bit-exact with qlab.quantize on purpose, the spec's first sentence says so; the
+  feedback names amax * (1 / 448) and x * (1 / s) where they differ)
 fp8_gemm(q_x (M, K), s_x (M,), q_w (N, K), s_w (N,)) -> fp32 (M, N)  [BLOCK 16 x 32 x 32]
   G1 the K tail masked (K % 32 != 0) with other=0 .................... "ragged"
   G2 M and N masked in loads and stores .............................. "ragged"
@@ -35,11 +37,18 @@ def _act_explain(args, m: Mismatch) -> str:
     amax = x[r].float().abs().max()
     s = amax / 448.0
     head = f"row {r} (K = {x.shape[1]}): amax = {num(amax)}, s = amax / 448 = {num(s)}"
+    if amax * (1.0 / 448.0) != s:
+        head += f" (amax * (1 / 448) = {num(amax * (1.0 / 448.0))}: divide)"
     if m.output != "codes":
         return head
     xi = x[m.index].float()
-    y = float(xi / (s if s != 0 else torch.tensor(1.0)))
-    return f"{head}; x = {num(xi)}, x / s = {grid_rounding(y, E4M3)}"
+    s1 = s if s != 0 else torch.tensor(1.0)
+    y = float(xi / s1)
+    note = f"{head}; x = {num(xi)}, x / s = {grid_rounding(y, E4M3)}"
+    recip = (xi * (1 / s1)).reshape(1)
+    if E4M3.encode(recip) != E4M3.encode(torch.tensor([y])):
+        note += f" (x * (1 / s) = {num(recip)} encodes otherwise: divide)"
+    return note
 
 
 @task("fp8_act_quant", "fp8_quantize_rows", points=3, reference=lambda x: _act_reference(x),

@@ -12,6 +12,9 @@ fwht(x (..., n)) -> float32 (..., n)
   F2 the butterfly is (a + b, a - b) ................................. every case
   F3 n = 12 * 2^k: the 12-point matrix (as qlab.ptq.hadamard builds it)
      kron H_2^k, the 12-point one outside, every block mixed ......... the 12 * 2^k cases
+  F4 never form the n x n matrix: no tensor or array may hold more than
+     max(4 x the input's elements, 144) (SizeLimit) ................. every case (n >= 256
+     in the last one, so a matrix of n x n breaks it on every seed)
 llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)
   I1 outlier COLUMNS: any |x| >= threshold (ends included) in them .. a value == threshold
   I2 the threshold is the argument, not 6 ........................... a case at 3 or 4.5
@@ -24,13 +27,15 @@ llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)
   I7 v / s with the STORED fp16 scale, not the float32 one ........... "traps" row 1
   I8 round half to even, a true division v / s (not v * (1 / s)) .... "traps" row 0 ties
   I9 the float32 absmax divided, then rounded to fp16 ................ "traps" row 2
+  (I7-I9 pin qlab's order on purpose, not bitsandbytes': the spec's first sentence says so, and
+  the feedback names v * (1 / s), the float32 scale or fp16(amax) where they differ)
 """
 
 from __future__ import annotations
 
 import torch
 
-from qlab.grading.registry import Mismatch, close, tasks_for
+from qlab.grading.registry import Mismatch, SizeLimit, close, tasks_for
 from qlab.grading.tasks._inputs import (
     choice,
     fp16_amax_trap,
@@ -39,7 +44,7 @@ from qlab.grading.tasks._inputs import (
     reciprocal_trap,
     weights,
 )
-from qlab.grading.tasks._spec import num
+from qlab.grading.tasks._spec import int8_row_note
 from qlab.ptq import fwht, mixed_precision_matmul, smooth_scales
 
 task = tasks_for("12_outliers")
@@ -94,8 +99,16 @@ def _fwht_cases(g: torch.Generator):
     return cases
 
 
+# the spec's O(n log n) rule: the butterflies need copies of x's size, the 12-point part
+# the 12 x 12 H12; a matrix of n x n is larger than this in the cases with n > 4 x the rows
+FWHT_SIZE = SizeLimit(
+    lambda x: max(4 * x.numel(), 144),
+    "the spec forbids forming the n x n matrix (O(n log n) butterflies; the 12 x 12 H12 is "
+    "fine): no tensor or array may hold more than max(4 x the input's elements, 144)",
+)
+
 task("fwht", "fwht", points=3, reference=lambda x: fwht(x), compare=close(rtol=1e-5, atol=2e-5),
-     implements=("qlab.ptq.fwht", "qlab.ptq.hadamard"),
+     implements=("qlab.ptq.fwht", "qlab.ptq.hadamard"), size_limit=FWHT_SIZE,
      signature="fwht(x (..., n)) -> float32 (..., n), n = 2^k or 12 * 2^k")(_fwht_cases)
 
 
@@ -159,29 +172,6 @@ def _int8_traps(g: torch.Generator):
     return (x, w[torch.randperm(len(cols) + 1, generator=g)], t)
 
 
-def _int8_codes_note(name: str, v: torch.Tensor) -> str:
-    """The scale of one int8 row v (outlier columns zeroed) and the columns where the spec's
-    v / s differs from a common variant: an exact tie, x * (1 / s), the float32 scale."""
-    s32 = v.abs().max() / 127
-    s = s32.half().float()
-    head = f"{name}: s = fp16(max|row| / 127) = {num(s)}"
-    if s32.half() != (v.abs().max().half().float() / 127).half():
-        head += " (fp16(max|row|) / 127 would give another s: divide first, then round)"
-    if s == 0:
-        return head + " (an all-zero row: codes 0)"
-    u = v / s
-    notes = {
-        "exact ties v / s (round half to even)": ((u - u.floor()) == 0.5),
-        "v * (1 / s) rounds otherwise (divide)": torch.round(v * (1 / s)) != torch.round(u),
-        "v / the float32 s rounds otherwise (use the fp16 s)": torch.round(v / s32)
-        != torch.round(u),
-    }
-    for what, where in notes.items():
-        if where.any():
-            head += f"; {what} at columns {where.nonzero().flatten().tolist()[:6]}"
-    return head
-
-
 def _int8_explain(args, m: Mismatch) -> str:
     x, w, threshold = args
     r, n = m.index
@@ -189,9 +179,9 @@ def _int8_explain(args, m: Mismatch) -> str:
     return (
         f"outlier columns {cols.nonzero().flatten().tolist()} (some |x| >= {threshold}) are "
         "multiplied in fp16 and zeroed in x AND w for the int8 part; "
-        + _int8_codes_note(f"x row {r}", x[r].masked_fill(cols, 0.0))
+        + int8_row_note(f"x row {r}", x[r].masked_fill(cols, 0.0))
         + "; "
-        + _int8_codes_note(f"w row {n}", w[n].masked_fill(cols, 0.0))
+        + int8_row_note(f"w row {n}", w[n].masked_fill(cols, 0.0))
     )
 
 

@@ -20,6 +20,8 @@ gptq_block(w, u, bits, group_size) -> (codes, scales, err)
   B7 codes from a float32 division fp32(w) / s (not float64) . "edges": group 3, column 0
   B8 w is not modified in place (the harness compares it after the call) .... every case
   B9 codes clamped to +-qmax (an update pushes a value past qmax * s) ..... "edges": group 4
+  (B6, B7 pin qlab.ptq.gptq_block's float32 steps on purpose: the spec's first sentence says so,
+  and the feedback names the float64 scale or w / s where they differ)
   (and an all-zero group of dead inputs, "edges" group 2: scale 0, codes 0, err 0)
 awq_scale(x, w, alpha, bits, group_size) -> (s, err)
   A1 s from the MEAN of |x| per channel ..................................... every case
@@ -35,8 +37,9 @@ import math
 
 import torch
 
-from qlab.grading.registry import compare_values, tasks_for
+from qlab.grading.registry import Mismatch, compare_values, tasks_for
 from qlab.grading.tasks._inputs import choice, randint
+from qlab.grading.tasks._spec import div32, int_rounding, num
 from qlab.ptq import hessian
 from qlab.ptq.awq import act_mean_abs, awq_scales, awq_weight
 from qlab.ptq.gptq import gptq_block, layer_error, prepare_hessian, upper_cholesky_of_inverse
@@ -179,6 +182,33 @@ def _block_reference(w, u, bits, group_size):
     return qt.codes, qt.scales, err
 
 
+def _block_explain(args, m: Mismatch) -> str:
+    """Step 1 or 2 at the bad element, from the columns as they were then (w minus the
+    updates of the earlier columns, rebuilt from the reference's err), and whether float64
+    arithmetic instead of the spec's float32 gives another scale or code there."""
+    w, u, bits, gs = args
+    qmax = 2 ** (bits - 1) - 1
+    r, c = m.index
+    first = c if m.output == "scales" else c // gs
+    codes, scales, err = _block_reference(w, u, bits, gs)
+    cols = slice(first * gs, (first + 1) * gs)
+    now = w[r, cols] - err[r, : first * gs] @ u[: first * gs, cols]  # the group at step 1
+    amax = now.abs().max()
+    s = scales[r, first]
+    head = f"row {r}, group {first}: max|fp32(w)| = {num(amax.float())}, s = {num(s)}"
+    if m.output != "codes":
+        if (amax / qmax).float().half() != s:
+            head += (f" (in float64, fp16(amax / {qmax}) = {num((amax / qmax).float().half())}"
+                     ": take the float32 absmax and divide in float32)")
+        return head
+    sf = float(s) if s != 0 else 1.0
+    wi = float(w[r, c] - err[r, :c] @ u[:c, c])
+    head += f"; w[{r}, {c}] now = {num(wi)}, fp32(w) / s = {int_rounding(div32(wi, sf))}"
+    if round(wi / sf) != round(div32(wi, sf)):
+        head += f" (in float64, w / s = {wi / sf!r} rounds otherwise: divide in float32)"
+    return head
+
+
 def _block_compare(expected, got, args):
     """codes and fp16 scales bit-exact (one rounding each, on values computed in float64
     from the same inputs); err to 1e-9 of its largest value: the float64 updates may be
@@ -186,7 +216,7 @@ def _block_compare(expected, got, args):
     names = ("codes", "scales", "err")
     if type(got) is not tuple or len(got) != 3:
         return compare_values(expected, got, args, names=names)
-    hint = compare_values(expected[:2], got[:2], args, names=names[:2])
+    hint = compare_values(expected[:2], got[:2], args, names=names[:2], explain=_block_explain)
     if hint:
         return hint
     atol = 1e-9 * max(float(expected[2].abs().max()), 1e-30)

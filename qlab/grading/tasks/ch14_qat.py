@@ -23,6 +23,8 @@ lsq_quantize(x, scale, bits, grad_scale, grad_y) -> (y, grad_x, grad_scale)
   L5 summed over each group's elements, times grad_scale ............... every case
   L6 grad_scale is the argument (a random one), not LSQ's 1/sqrt(N Q) ... "edges", 3rd case
   L7 u = x / s, a true division (not x * (1 / s)) ....................... "reciprocal"
+  (L7 pins qlab.qat.lsq_fake_quantize's division on purpose: the spec's first sentence says so,
+  and the feedback names x * (1 / s) where it rounds otherwise)
   (and an all-zero group, "edges" row 0: y = 0, no NaN, ds = 0; with the given scale > 0
   no rule above can break it, so it has no mutant of its own)
 """
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from qlab.grading.registry import compare_values, exact, tasks_for
+from qlab.grading.registry import Mismatch, compare_values, exact, tasks_for
 from qlab.grading.tasks._inputs import (
     choice,
     fp16_amax_trap,
@@ -39,6 +41,7 @@ from qlab.grading.tasks._inputs import (
     reciprocal_trap,
     weights,
 )
+from qlab.grading.tasks._spec import div32, int_rounding, num
 from qlab.qat import fake_quantize_ste, lsq_fake_quantize, lsq_grad_scale
 
 task = tasks_for("14_qat")
@@ -173,6 +176,21 @@ def _lsq_reference(x, scale, bits, grad_scale, grad_y):
     return y.detach(), x.grad, scale.grad
 
 
+def _lsq_explain(args, m: Mismatch) -> str:
+    """u = x / s at the bad element of y or grad_x, naming a tie and x * (1 / s)."""
+    x, scale, bits, _, _ = args
+    qmax = 2 ** (bits - 1) - 1
+    r, k = m.index
+    s = float(scale[r, k // (x.shape[-1] // scale.shape[-1])])
+    xi = float(x[r, k])
+    note = (f"x = {num(xi)}, s = {num(s)}, Q s = {num(qmax * s)}, "
+            f"u = x / s = {int_rounding(div32(xi, s))}")
+    recip = float(torch.tensor(xi) * (1 / torch.tensor(s)))
+    if round(recip) != round(div32(xi, s)):
+        note += f" (x * (1 / s) = {num(recip)} rounds otherwise: divide)"
+    return note
+
+
 def _lsq_compare(expected, got, args):
     """y and grad_x bit-exact (one rounding each, the same in any correct code). grad_scale
     sums up to 32 products g * dL/dy * (round(u) - u): a float32 sum in another order, or u
@@ -181,7 +199,7 @@ def _lsq_compare(expected, got, args):
     names = ("y", "grad_x", "grad_scale")
     if type(got) is not tuple or len(got) != 3:
         return compare_values(expected, got, args, names=names)  # says what shape it wanted
-    hint = compare_values(expected[:2], got[:2], args, names=names[:2])
+    hint = compare_values(expected[:2], got[:2], args, names=names[:2], explain=_lsq_explain)
     if hint:
         return hint
     x, scale, bits, grad_scale, grad_y = args
