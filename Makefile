@@ -53,8 +53,8 @@ clean:
 # its source, so pip compiles llama.cpp (needs g++; cmake and ninja come from PyPI): the
 # library alone, without llava, server, tools, examples or tests. pip keeps the built wheel
 # in its wheel cache (~/.cache/pip), so a later install, after `make clean` too, does not
-# compile again. Measured cold build: 687 s user + 31 s system CPU (49 min wall-clock on two
-# cores shared with other work).
+# compile again. Measured cold build: 5 min 45 s on two idle cores (627 s user + 28 s system
+# CPU; the same build took 49 min on two cores shared with eight other processes).
 LLAMACPP_STAMP := $(VENV)/.qlab-llamacpp
 LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
@@ -67,7 +67,8 @@ $(LLAMACPP_STAMP): $(STAMP)
 	touch $(LLAMACPP_STAMP)
 
 # The tests that run llama.cpp itself (they fail here if it is missing; `make test` skips
-# them without it: its cold build does not fit in CI's 30 minutes beside the rest).
+# them without it: its cold build and these tests, about 10 minutes, do not fit beside the
+# rest, 19.5 minutes, in CI's 30 with a safe margin).
 .PHONY: test-llamacpp
 test-llamacpp: llamacpp
 	QLAB_LLAMACPP=require $(BIN)/python -m pytest tests/gguf/test_gguf_llamacpp_runtime.py \

@@ -371,8 +371,8 @@ def _export_tinylm(
 
 INSTALL_HINT = (
     "llama-cpp-python is not installed: build it once with `make llamacpp` (or "
-    "`pip install -e .[llamacpp]`): pip compiles llama.cpp from source (measured: 12 minutes "
-    "of CPU time for a first build; pip caches the wheel for later installs)"
+    "`pip install -e .[llamacpp]`): pip compiles llama.cpp from source (measured: 6 minutes "
+    "on two idle cores for a first build; pip caches the wheel for later installs)"
 )
 
 
