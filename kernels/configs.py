@@ -170,7 +170,8 @@ del C
 
 
 # The plain-layout GEMV (W4A16 at M = 1 with a group that is not a multiple of 128): block_n
-# rows x block_k / 2 packed bytes per step, 16 bytes per thread (a 128-bit cp.async).
+# rows x block_k / 2 packed bytes per step, copied with cp.async of 4 and 8 bytes per thread at
+# g = 64 (compile_for's global_load_widths; docs/KERNELS.md).
 GEMV_PLAIN = Config(block_m=1, block_n=32, block_k=128, num_warps=4, num_stages=4)
 
 

@@ -28,7 +28,7 @@ The tensor cores do the multiply-adds, so the loop issues about 3.1 (fp16) or 3.
 SASS instructions per weight byte (tests/kernels/test_w4a16_decode.py): below the 9.2 and
 6.4 thread-instructions an H100 SXM and an H200 issue per byte of HBM bandwidth
 (roofline.issue_rate). Other groups take the plain GEMV on
-`packed` (CUDA cores, about 16 instructions per byte): per step of block_k <= g,
+`packed` (CUDA cores, about 18.5 instructions per byte at g = 64): per step of block_k <= g,
 acc += (lo * x[k0 + 2j] + hi * x[k0 + 2j + 1]) * s[rows] with lo, hi exact fp32 nibbles.
 
 Batches, M > 1 (the GEMM, tensor cores, swap-AB): compute y^T = W_hat x^T so the output
@@ -46,10 +46,11 @@ every step and stall the tensor-core pipeline (wgmma.wait_group 0). The price is
 rounding of c * s to 16 bits per weight (the tolerance, kernels/tolerance.py, counts it).
 
 int4 -> float without an int-to-float instruction (in the plain GEMV and the GEMM still
-several SASS instructions per nibble: the plain GEMV issues about 16 per packed byte, which
-makes it instruction-bound rather than bandwidth-bound by the model): XOR-ing a nibble with 8 gives
-code + 8 (4-bit two's complement to offset binary); placed in the mantissa of 2**23 (fp32) or 1024
-(fp16) it reads as 2**23 + code + 8, and one subtraction leaves the exact code:
+several SASS instructions per nibble: the plain GEMV issues about 18.5 per packed byte at
+g = 64, which makes it instruction-bound rather than bandwidth-bound by the model): XOR-ing a
+nibble with 8 gives code + 8 (4-bit two's complement to offset binary); placed in the
+mantissa of 2**23 (fp32) or 1024 (fp16) it reads as 2**23 + code + 8, and one subtraction
+leaves the exact code:
     fp32(0x4B000000 | (nib ^ 8)) - (2**23 + 8) == code
 """
 

@@ -180,8 +180,9 @@ def test_no_gemm_serialises_its_tensor_cores(built):
 
 def test_precise_fp8_drains_once_per_k_step_and_fast_never(built):
     # Known cost, not yet removed: promoting each BLOCK_K step's wgmma sum into fp32 reads
-    # the wgmma's registers in the same iteration, so Triton 3.9 waits for it (wait_group 0;
-    # ptxas C7517) once per K step. The fast mode chains its wgmmas without a drain.
+    # the wgmma's registers in the same iteration, so ptxas serialises it (C7517; in SASS a
+    # WARPGROUP.DEPBAR.LE gsb0, 0x0 in the loop, though the PTX waits with wait_group 1) once
+    # per K step. The fast mode chains its wgmmas without a drain.
     for name, r in built.items():
         req = REQUESTS[name]
         if req["kernel"] != "fp8" or req.get("arch", 90) != 90:
