@@ -176,6 +176,21 @@ def _file_type(types) -> int | None:
     )
 
 
+def _add_shape(w: gguf.GGUFWriter, name: str, file_type: int | None, layers: int,
+               context: int, width: int, ffn: int, heads: int, eps: float) -> None:
+    """The general and hyper-parameter keys both architectures write (under w's arch)."""
+    w.add_name(name)
+    if file_type is not None:
+        w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(width)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(eps)
+
+
 def export_llamacpp(
     model: torch.nn.Module, path: str | os.PathLike, types: str | Mapping[str, str] = "F16",
     imatrix: Mapping[str, torch.Tensor] | None = None,
@@ -212,16 +227,8 @@ def export_llamacpp(
     file_type = _file_type(types)
 
     def header(w: gguf.GGUFWriter) -> None:
-        w.add_name("all-MiniLM-L6-v2")
-        if file_type is not None:
-            w.add_file_type(file_type)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_block_count(cfg.n_layer)
-        w.add_context_length(cfg.max_positions)
-        w.add_embedding_length(cfg.hidden)
-        w.add_feed_forward_length(cfg.intermediate)
-        w.add_head_count(cfg.n_head)
-        w.add_layer_norm_eps(cfg.ln_eps)
+        _add_shape(w, "all-MiniLM-L6-v2", file_type, cfg.n_layer, cfg.max_positions,
+                   cfg.hidden, cfg.intermediate, cfg.n_head, cfg.ln_eps)  # fmt: skip
         w.add_causal_attention(False)
         w.add_pooling_type(gguf.PoolingType(POOLING_MEAN))
         w.add_tokenizer_model("bert")
@@ -343,16 +350,8 @@ def _export_tinylm(
     file_type = _file_type(types)
 
     def header(w: gguf.GGUFWriter) -> None:
-        w.add_name("qlab TinyLM")
-        if file_type is not None:
-            w.add_file_type(file_type)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_block_count(cfg.n_layer)
-        w.add_context_length(cfg.block_size)
-        w.add_embedding_length(cfg.d_model)
-        w.add_feed_forward_length(4 * cfg.d_model)
-        w.add_head_count(cfg.n_head)
-        w.add_layer_norm_eps(norms[0].eps)
+        _add_shape(w, "qlab TinyLM", file_type, cfg.n_layer, cfg.block_size, cfg.d_model,
+                   4 * cfg.d_model, cfg.n_head, norms[0].eps)  # fmt: skip
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
         w.add_token_list(byte_vocab())

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 
 import gguf
-import make_llamacpp_reference as reference  # tests/gguf/, on sys.path under pytest
 import numpy as np
 import pytest
 
@@ -36,11 +35,6 @@ PURE = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "Q6_K": "Q6_K"}  #
 WITH_IMATRIX = ["Q4_0", "Q5_1", "Q3_K_S", "Q4_K_M", "Q6_K"]
 TINYLM_RECIPES = ["Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
                   "Q8_0"]  # chapter 15's RECIPES  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def llama_cpp():
-    return reference.llama_cpp_or_skip()
 
 
 @pytest.fixture(scope="module")

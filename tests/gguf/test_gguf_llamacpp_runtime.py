@@ -21,7 +21,6 @@ What may differ, and the bounds asserted:
 
 from __future__ import annotations
 
-import make_llamacpp_reference as reference  # tests/gguf/, on sys.path under pytest
 import pytest
 import torch
 from torch import nn
@@ -35,11 +34,6 @@ from qlab.lm.retrieval import DOC_MAX_TOKENS, RetrievalTask
 # chapter 12's retrieval task; measured (1 thread): F32 0.9999975, F16 0.9999979,
 # Q8_0 0.9995423, Q4_0 0.9993183, Q4_K_M 0.9994904
 BOUND = {"F32": 0.9999, "F16": 0.9999, "Q8_0": 0.999, "Q4_0": 0.999, "Q4_K_M": 0.999}
-
-
-@pytest.fixture(scope="module")
-def llama_cpp():
-    return reference.llama_cpp_or_skip()
 
 
 @pytest.fixture(scope="module")

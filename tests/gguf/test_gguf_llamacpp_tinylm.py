@@ -25,7 +25,6 @@ What may differ, and the bounds asserted:
 from __future__ import annotations
 
 import gguf
-import make_llamacpp_reference as reference  # tests/gguf/, on sys.path under pytest
 import pytest
 import torch
 from torch import nn
@@ -134,11 +133,6 @@ def test_q4_k_m_is_chapter_15_s_bytes(model, files, windows, tmp_path, aware):
 
 
 # --------------------------------------------------------------------------- in llama.cpp
-
-
-@pytest.fixture(scope="module")
-def llama_cpp():
-    return reference.llama_cpp_or_skip()
 
 
 def test_llama_cpp_tokenizes_bytes(llama_cpp, files):
