@@ -49,12 +49,13 @@ clean:
 	rm -rf $(VENV)
 
 # Optional: llama.cpp itself (llama-cpp-python, the extra `llamacpp`), to run chapter 15's
-# GGUF files in it and test them there (tests/gguf/test_gguf_llamacpp_*.py). PyPI has only
-# its source, so pip compiles llama.cpp (needs g++; cmake and ninja come from PyPI): the
-# library alone, without llava, server, tools, examples or tests. pip keeps the built wheel
-# in its wheel cache (~/.cache/pip), so a later install, after `make clean` too, does not
-# compile again. Measured cold build: 5 min 45 s on two idle cores (627 s user + 28 s system
-# CPU; the same build took 49 min on two cores shared with eight other processes).
+# GGUF files in it and test them there (tests/gguf/test_gguf_llamacpp_{runtime,tinylm,
+# quantize}.py). PyPI has only its source, so pip compiles llama.cpp (needs g++; cmake and
+# ninja come from PyPI): the library alone, without llava, server, tools, examples or tests.
+# pip keeps the built wheel in its wheel cache (~/.cache/pip), so a later install, after
+# `make clean` too, does not compile again. Measured cold build: 5 min 45 s on two idle
+# cores (627 s user + 28 s system CPU; the same build took 49 min on two cores shared with
+# eight other processes).
 LLAMACPP_STAMP := $(VENV)/.qlab-llamacpp
 LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF

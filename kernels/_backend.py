@@ -2,9 +2,13 @@
 
     CUDA GPU present      -> kernels compile and run natively on the GPU
     no CUDA GPU (laptop)  -> TRITON_INTERPRET=1: the same kernel source runs on the
-                             CPU through Triton's interpreter (numpy), slowly but
-                             with the same semantics, so the kernel labs work anywhere
-                             Triton installs (Linux; there are no macOS/Windows wheels).
+                             CPU through Triton's interpreter (numpy), slowly, so the
+                             kernel labs work anywhere Triton installs (Linux; there
+                             are no macOS/Windows wheels). Not a GPU's semantics in
+                             every operation: its fp32 -> bf16 cast truncates, its
+                             fp32 -> fp8 cast neither rounds to nearest-even nor
+                             saturates (notebook 08 shows both), and float sums may
+                             round differently (kernels/tolerance.py).
 
 `@triton.jit` reads TRITON_INTERPRET when it decorates a function, so this module
 must be imported before the kernel modules; kernels/__init__.py (qlab.kernels) imports it first.

@@ -47,6 +47,7 @@ __all__ = [
     "global_load_widths",
     "sass_instructions",
     "sass_loop_body",
+    "sass_split_k_path",
     "sass_main_loop",
     "DRAIN",
 ]
@@ -221,6 +222,23 @@ def sass_main_loop(sass: str) -> dict:
 def sass_loop_body(sass: str, loop: dict) -> list[str]:
     """The instructions of `loop` (a sass_main_loop result), in order, as text."""
     return [text for a, _, text in sass_instructions(sass) if loop["start"] <= a <= loop["end"]]
+
+
+def sass_split_k_path(sass: str, loop: dict) -> dict:
+    """Instructions outside `loop` (a sass_main_loop result) on the path of a split-K program
+    that is not the last of its tile (kernels/_tiles.py store_or_reduce): {"prologue": all
+    before the loop, "epilogue": after it up to the first branch (split_k > 1 jumps past the
+    plain store), then from that branch's target to the first EXIT (its partial sums stored,
+    the tile's counter incremented)}. The last program of a tile also runs the reduction."""
+    ins = sass_instructions(sass)
+    after = [(a, text) for a, _, text in ins if a > loop["end"]]
+    branch, text = next((a, t) for a, t in after if re.search(r"\bBRA\b", t))
+    target = int(re.findall(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])[0], 16)
+    leave = next(a for a, t in after if a > target and re.search(r"\bEXIT\b", t))
+    return {
+        "prologue": sum(a < loop["start"] for a, _, _ in ins),
+        "epilogue": sum(a <= branch or target <= a <= leave for a, _ in after),
+    }
 
 
 # ----------------------------------------------------------------------------- the child

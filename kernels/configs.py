@@ -5,21 +5,26 @@ list per batch-size bucket, so a decode step (M = 1) and a prefill (M = 4096) ne
 a tile shape:
 
     bucket    M          W4A16                              FP8 (E4M3)
-    decode    1          CUDA-core GEMV, split-K            swap-AB wgmma, 16 token columns
+    decode    1          tensor-core GEMV, split-K (*)      swap-AB wgmma, 16 token columns
     small     2..16      swap-AB GEMM, 16 token columns     swap-AB, 16 token columns
     medium    17..128    swap-AB GEMM, 64-128 columns       swap-AB, 64-128 columns
     large     > 128      swap-AB GEMM, 128 columns          grouped (L2-swizzled) 128x128 tiles
 
+(*) mma.sync on the decode layout (kernels/w4a16.py), 32 rows per warp; for a group that is
+not a multiple of 128, the plain CUDA-core GEMV on the plain layout (GEMV_PLAIN, one config).
+
 The FIRST config of each list is the default: what runs when nothing is timed (the CPU
 interpreter, ahead-of-time builds, QLAB_AUTOTUNE=0). On a GPU, `choose` times every config
-of the bucket once per (kernel, bucket, shape, dtype) key with triton.testing.do_bench and
-keeps the fastest; `chosen()` shows what each key picked. The lists are small on purpose:
-a GPU session has minutes, not hours.
+of the bucket once per (kernel, bucket, M rounded up to a power of two, N, K, dtype, and the
+W4A16 group size or the FP8 fast_accum) key with triton.testing.do_bench and keeps the
+fastest; `chosen()` shows what each key picked. The lists are small on purpose: a GPU
+session has minutes, not hours.
 
-Split-K: when the output tiles alone would leave SMs idle (a decode GEMV of a 4096 x 4096
-layer has 128 row blocks for 132 SMs), the K loop is split over `split_k` programs per tile
-and the partial sums are added in a fixed order (see kernels/_tiles.py). `split_k_for` picks
-the smallest power of two that gives at least TARGET_CTAS_PER_SM programs per SM.
+Split-K: when the output tiles alone would leave SMs idle (the W4A16 decode GEMV of a
+4096 x 4096 layer has 32 row blocks of 128 rows for 132 SMs), the K loop is split over
+`split_k` programs per tile and the partial sums are added in a fixed order (see
+kernels/_tiles.py). `split_k_for` picks the smallest power of two that gives at least
+TARGET_CTAS_PER_SM programs per SM.
 """
 
 from __future__ import annotations

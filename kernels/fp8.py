@@ -44,8 +44,9 @@ without a host sync, so it returns NaN exactly where qlab has no answer.
 
 Rounding to E4M3 (step 1) uses exact fp32 arithmetic (round_to_e4m3) and the final cast
 only converts a value already on the E4M3 grid. On a GPU the cast alone would round
-correctly (cvt.rn.satfinite), but Triton's CPU interpreter neither rounds to nearest even
-nor saturates when it casts, and the codes must match qlab bit for bit on both.
+correctly (cvt.rn.satfinite), but Triton's CPU interpreter's cast rounds on the first
+dropped bit only (not to even), can lose the carry into the exponent (1.9375 -> 1.0) and
+does not saturate (notebook 08), and the codes must match qlab bit for bit on both.
 """
 
 from __future__ import annotations

@@ -16,8 +16,12 @@ dense bf16 tensor-core FLOPs per clock, so the datasheet's bf16 peak fixes the c
     issue rate = SMs x 128 x clock = peak_bf16 / 32     thread-instructions per second
 
 (H100 SXM: 989.4e12 / 32 = 30.9e12, 9.2 per byte of its 3.35 TB/s; H200: 6.4 per byte of
-4.8 TB/s). A kernel whose main loop issues I SASS instructions per byte it streams cannot
-stream faster than issue rate / I bytes per second (issue_seconds; I from compile_for).
+4.8 TB/s). Four schedulers of 32 threads per clock: the H100 whitepaper's SM diagram. The
+bf16 peak implies 1.83 GHz; the datasheet's fp32 peak, 67e12 = SMs x 128 fp32 lanes x 2
+FLOPs per clock, implies 1.98 GHz, which would give 10.0 and 7.0 per byte: the model takes
+the conservative clock (notebook 09 computes both). A kernel whose main loop issues I SASS
+instructions per byte it streams cannot stream faster than issue rate / I bytes per second
+(issue_seconds; I from compile_for).
 
 Kernels counted (x is (M, K) bf16, W is (N, K), y is (M, N) bf16, group g):
 
@@ -58,7 +62,7 @@ GROUP_SIZE = 128
 # dense, per SM: twice an A100 SM's 2,048 (H100 whitepaper: 2x the MMA rate clock for clock;
 # A100: 108 SMs x 2,048 x 1.41 GHz = 312e12); H100 SXM: 132 SMs x 4,096 x 1.83 GHz = 989.4e12
 HOPPER_BF16_FLOPS_PER_CLOCK = 4096
-THREAD_INSTRUCTIONS_PER_CLOCK = 4 * 32  # per SM: 4 warp schedulers, 1 warp instruction each
+THREAD_INSTRUCTIONS_PER_CLOCK = 4 * 32  # per SM: 4 schedulers x 32 threads (H100 whitepaper)
 # Which tensor-core peak bounds each kernel's arithmetic.
 PRECISION = {
     "torch_bf16": "bf16",

@@ -6,9 +6,11 @@ Element by element, with magnitude = |x| @ |W_hat|.T (the sum of |products|):
     rounded at most once (the reference's x * w_hat can need 25 bits; the kernels'
     x * code is exact). A sum that rounds to nearest is within about K * 2**-24 of
     magnitude of the exact sum, so two are at most K * 2**-23 * magnitude apart: derived
-    for the CPU interpreter. Tensor cores may truncate instead (NVIDIA does not document
-    their rounding), which allows 1.5 * K * 2**-23 in the worst case; the bound keeps
-    K * 2**-23, not yet checked on a GPU;
+    for the CPU interpreter. NVIDIA does not document the tensor cores' rounding: Fasi
+    et al. (PeerJ CS 2021) probed V100, T4 and A100, Valpey et al. (arXiv 2502.15999)
+    dispute the round-to-zero accumulation reported before them, and Khattak and Mikaitis
+    (arXiv 2512.07004) model the H100's MMAs. If they truncate, the worst case is
+    1.5 * K * 2**-23; the bound keeps K * 2**-23, not yet checked on a GPU;
   * W4A16 GEMM only: every weight c * s is rounded to the 16-bit dtype before the tensor
     cores see it: one ulp (2**-10 |w| in fp16, 2**-7 in bf16; one, not half, because the
     CPU interpreter truncates fp32 -> bf16), plus fp16's subnormal spacing 2**-24 per

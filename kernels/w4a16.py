@@ -56,6 +56,7 @@ leaves the exact code:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -575,6 +576,8 @@ def _plan_gemv_mma(x2, w: W4A16Weight, out, config: Config, sms: int, buffers) -
     N, K = w.shape
     if config.block_n != MMA_ROWS * config.num_warps:
         raise ValueError(f"a decode config needs block_n = 32 * num_warps, got {config}")
+    if config.block_k != MMA_K:
+        raise ValueError(f"a decode config steps K by {MMA_K} (the layout's), got {config}")
     tiles = triton.cdiv(N, config.block_n)
     split = configs.split_k_for(tiles, K // MMA_K, sms)
     ws, counts = buffers(split, tiles, config.block_n, out.device)
@@ -596,12 +599,14 @@ def plan(x2, w: W4A16Weight, out, config: Config, sms: int, buffers=split_k_buff
     M, K = x2.shape
     N = w.shape[0]
     g = w.group_size
-    block_k = _block_k(config, g)
-    k_steps = K // block_k
     if M == 1 and w.words is not None:
         return _plan_gemv_mma(x2, w, out, config, sms, buffers)
+    # groups of 16..112 at M = 1: the plain GEMV on the plain layout, one config. The K step
+    # shrinks to divide the group, and the Launch reports the config it launches.
+    config = configs.GEMV_PLAIN if M == 1 else config
+    config = replace(config, block_k=_block_k(config, g))
+    k_steps = K // config.block_k
     if M == 1:
-        config = configs.GEMV_PLAIN  # groups of 16..112: the plain layout, one config
         tiles = triton.cdiv(N, config.block_n)
         split = configs.split_k_for(tiles, k_steps, sms)
         ws, counts = buffers(split, tiles, config.block_n, out.device)
@@ -610,7 +615,7 @@ def plan(x2, w: W4A16Weight, out, config: Config, sms: int, buffers=split_k_buff
             grid=(tiles, split),
             args=(x2, w.packed, w.scales, out, ws, counts, N, K,
                   w.packed.stride(0), w.scales.stride(0), split),  # fmt: skip
-            meta=dict(GROUP_SIZE=g, BLOCK_N=config.block_n, BLOCK_K=block_k,
+            meta=dict(GROUP_SIZE=g, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       NUM_STAGES=config.num_stages, INDEX_64=needs_int64(w.packed),
                       num_warps=config.num_warps),  # fmt: skip
             config=config,
@@ -624,7 +629,7 @@ def plan(x2, w: W4A16Weight, out, config: Config, sms: int, buffers=split_k_buff
         args=(x2, w.packed, w.scales, out, ws, counts, M, N, K, x2.stride(0),
               w.packed.stride(0), w.scales.stride(0), out.stride(0), split),  # fmt: skip
         meta=dict(
-            GROUP_SIZE=g, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+            GROUP_SIZE=g, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_STAGES=config.num_stages,
             # Triton's CPU interpreter feeds bf16 to numpy as raw uint16 in tl.dot;
             # upcasting to fp32 there gives the same exact products and fp32 sums.

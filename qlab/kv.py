@@ -3,6 +3,8 @@
     q_model = qlab.kv.quantize_cache(model, "kivi4")      # a NEW TinyLM, model untouched
     qlab.kv.bits_per_element("kivi4", head_dim=64, seq_len=256)
     qlab.kv.KV_SCHEME_NAMES                               # the names below
+    qlab.kv.attention_errors(model, "kivi4", windows)     # error in scores/outputs by position
+    qlab.kv.scale_key_channel(model, 5, 20.0)             # same function, a key outlier channel
 
 Named schemes (keys K and values V are (B, H, S, D) per layer, D = head_dim):
 
@@ -76,8 +78,11 @@ __all__ = [
     "quantize_keys",
     "quantize_values",
     "calibrate_fp8_scales",
+    "fp8_static_scale",
     "bits_per_element",
     "decode_logits",
+    "attention_errors",
+    "scale_key_channel",
 ]
 
 E4M3_MAX = formats.get("fp8_e4m3fn").max  # 448.0
@@ -211,6 +216,14 @@ def _default_calibration() -> torch.Tensor:
     return eval_windows(load_splits()[0], CALIB_WINDOWS, 256)
 
 
+def fp8_static_scale(t: torch.Tensor, per: Literal["tensor", "head"]) -> torch.Tensor:
+    """The static FP8 scale of a calibration batch of K or V (B, H, S, D): amax|t| / 448 in
+    float32, shape () for per="tensor", (H, 1, 1) for per="head" (amax over B, S, D of each
+    head); an all-zero tensor (or head) gets 1."""
+    amax = t.abs().amax() if per == "tensor" else t.abs().amax(dim=(0, 2, 3))[:, None, None]
+    return torch.where(amax > 0, amax / E4M3_MAX, 1.0)  # shape: () or (H, 1, 1)
+
+
 @torch.no_grad()
 def calibrate_fp8_scales(model: TinyLM, windows: torch.Tensor, per: Literal["tensor", "head"]
                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -224,12 +237,8 @@ def calibrate_fp8_scales(model: TinyLM, windows: torch.Tensor, per: Literal["ten
     if per not in ("tensor", "head"):
         raise ValueError(f"per must be 'tensor' or 'head', got {per!r}")
 
-    def scale(t: torch.Tensor) -> torch.Tensor:
-        amax = t.abs().amax() if per == "tensor" else t.abs().amax(dim=(0, 2, 3))[:, None, None]
-        return torch.where(amax > 0, amax / E4M3_MAX, 1.0)  # shape: () or (H, 1, 1)
-
     def record(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        scales.append((scale(k), scale(v)))
+        scales.append((fp8_static_scale(k, per), fp8_static_scale(v, per)))
         return q, k, v
 
     for block in m.blocks:
@@ -291,3 +300,68 @@ def decode_logits(model: TinyLM, windows: torch.Tensor, batch: int = 16) -> torc
         x, cache = w[:, :-1], model.new_cache()
         out.append(torch.cat([model(x[:, t:t + 1], cache) for t in range(x.shape[1])], dim=1))
     return torch.cat(out)
+
+
+@torch.no_grad()
+def scale_key_channel(model: TinyLM, channel: int, factor: float) -> TinyLM:
+    """Copy of ``model`` with an outlier channel in its keys and (in exact arithmetic) the
+    same function: in every layer and head, key channel ``channel`` (0..head_dim-1) is
+    multiplied by ``factor`` and the same query channel divided by it, so every score
+    q . k = sum_j q_j k_j is unchanged (float32 rounding aside) while the cache holds one
+    channel ``factor`` times larger (TinyLM's qkv has no bias: rows of its weight suffice)."""
+    D, C = model.cfg.head_dim, model.cfg.d_model
+    if not 0 <= channel < D:
+        raise ValueError(f"channel must be in 0..{D - 1} (a head dimension), got {channel}")
+    if not factor > 0:
+        raise ValueError(f"factor must be positive, got {factor}")
+    m = copy.deepcopy(model)
+    rows = torch.arange(channel, C, D)  # that channel in each head; qkv rows: q | k | v
+    for block in m.blocks:
+        block.attn.qkv.weight[rows] /= factor
+        block.attn.qkv.weight[C + rows] *= factor
+    return m
+
+
+@torch.no_grad()
+def attention_errors(model: TinyLM, scheme: str | KVScheme, windows: torch.Tensor,
+                     calib: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """What a cache scheme changes in each layer's attention, per query position, as a server
+    decoding one token at a time reads it: query t sees keys/values s <= t - window as
+    stored and the newer ones in float. Inputs are the FLOAT model's q, k, v on
+    windows[:, :-1] (T tokens, a multiple of the chunk for per-channel keys), so no error
+    is inherited from earlier layers. float64 (n_layer, T) each:
+      "scores":  RMS error of the pre-softmax scores q.k / sqrt(D) over windows, heads and
+                 keys 0..t (in units of the softmax's input);
+      "outputs": ||attn_hat - attn|| / ||attn|| of the attention output (softmax @ V) at t,
+                 norms over windows, heads and head_dim.
+    Scores are compared unrotated: (qH)(kH)^T = q k^T, so a rotation alone adds nothing."""
+    sch, T = get_kv_scheme(scheme), windows.shape[1] - 1
+    if sch.key_axis == "channel" and T % sch.group:
+        raise ValueError(f"{sch.name} keeps keys in chunks of {sch.group} tokens: use windows of "
+                         f"a multiple of {sch.group} tokens (got {T})")
+    qm = quantize_cache(model, sch, calib)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    m = copy.deepcopy(model)
+    for block in m.blocks:
+        block.attn.qkv_transform = lambda q, k, v: seen.append((q, k, v)) or (q, k, v)
+    m(windows[:, :-1])
+    out: dict[str, list[torch.Tensor]] = {"scores": [], "outputs": []}
+    for (q, k, v), block in zip(seen, qm.blocks, strict=True):
+        tr = block.attn.qkv_transform
+        W = tr.scheme.window
+        pad = torch.zeros(*k.shape[:2], W, k.shape[3])  # W newer positions: all of 0..T-1
+        q_r, k_hat, v_hat = tr(q, torch.cat([k, pad], 2), torch.cat([v, pad], 2))  # are older
+        k_hat, v_hat = k_hat[:, :, :T], v_hat[:, :, :T]
+        t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        causal, old = s <= t, s <= t - W  # shape: (T, T) query x key
+        scale = math.sqrt(q.shape[-1])
+        att = (q @ k.transpose(-2, -1) / scale).masked_fill(~causal, -math.inf)
+        att_hat = torch.where(old, q_r @ k_hat.transpose(-2, -1) / scale, att)
+        p, p_hat = att.softmax(-1), att_hat.softmax(-1)
+        y, y_hat = p @ v, (p_hat * old) @ v_hat + (p_hat * ~old) @ v
+        d2 = (att_hat - att).masked_fill(~causal, 0.0).double().pow(2).sum(dim=(0, 1, 3))
+        n = causal.sum(1) * q.shape[0] * q.shape[1]  # keys seen at each position, all heads
+        out["scores"].append((d2 / n).sqrt())
+        out["outputs"].append((y_hat - y).double().pow(2).sum(dim=(0, 1, 3)).sqrt()
+                              / y.double().pow(2).sum(dim=(0, 1, 3)).sqrt())
+    return {key: torch.stack(v) for key, v in out.items()}

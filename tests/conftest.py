@@ -66,6 +66,7 @@ SLOW = (
     "tests/grading/test_grading_check.py::test_mutant_fails_on_every_seed",
     "tests/grading/test_grading_check.py::test_solution_passes_on_many_seeds",
     "tests/kernels/test_kernel_aot.py",
+    "tests/kernels/test_exercise_kernels_aot.py",
     "tests/kernels/test_kernel_backend.py",
     "tests/kernels/test_bench.py::test_cpu_mode_checks_every_candidate_and_writes_a_labelled_model",
     "tests/kernels/test_gpu_session.py::test_a_shape_whose_process_dies_is_recorded_and_the_next_shape_runs",

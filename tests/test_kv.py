@@ -240,3 +240,72 @@ def test_bits_per_element():
     assert kv.bits_per_element("fp8_static_tensor") == kv.bits_per_element("fp8_static_head") == 8
     assert kv.bits_per_element("fp8_dynamic", head_dim=64) == 8 + 32 / 64  # fp32 scale per token
     assert kv.bits_per_element("hadamard") == 16.0
+
+
+@torch.no_grad()
+def test_scale_key_channel_keeps_the_function_and_scales_one_key_channel(model, windows):
+    m = kv.scale_key_channel(model, 5, 20.0)
+    x = windows[:, :-1]
+    assert (m(x) - model(x)).abs().max() < LOGIT_ATOL
+    k_ref = [kv_[0] for kv_ in quality._cache_entries(model, windows, None)]
+    k_new = [kv_[0] for kv_ in quality._cache_entries(m, windows, None)]
+    others = torch.arange(64) != 5
+    # layer 0 reads the same embeddings: the other channels are bit-identical, channel 5 is
+    # 20x (one rounding of W * 20); later layers read a residual stream that differs by
+    # float32 rounding (keys up to ~10 in size: atol 1e-4)
+    assert torch.equal(k_new[0][..., others], k_ref[0][..., others])
+    for i, (a, b) in enumerate(zip(k_ref, k_new, strict=True)):  # (N, H, T, D) per layer
+        atol = 1e-5 if i == 0 else 1e-4
+        torch.testing.assert_close(b[..., 5], 20.0 * a[..., 5], rtol=1e-5, atol=20 * atol)
+        torch.testing.assert_close(b[..., others], a[..., others], rtol=1e-5, atol=atol)
+    # per-channel keys absorb the outlier in their scale: kivi4's attention error is unchanged
+    e_ref, e_new = (kv.attention_errors(mm, "kivi4", windows) for mm in (model, m))
+    # (up to codes flipped by float32 rounding of the rescaled keys: 1e-4 on errors ~0.01)
+    torch.testing.assert_close(e_new["outputs"], e_ref["outputs"], rtol=0, atol=1e-4)
+    assert (kv.attention_errors(m, "int4", windows)["outputs"].mean()
+            > 2 * kv.attention_errors(model, "int4", windows)["outputs"].mean())
+    for bad in ({"channel": 64, "factor": 2.0}, {"channel": 0, "factor": 0.0}):
+        with pytest.raises(ValueError):
+            kv.scale_key_channel(model, **bad)
+
+
+@pytest.mark.parametrize("name", ["int4", "kivi2", "hadamard_int4", "fp8_static_head"])
+@torch.no_grad()
+def test_attention_errors_equal_what_each_decode_step_reads(model, windows, name):
+    # independent formulation: at query t, call the scheme's transform on the cache 0..t,
+    # as decode_logits does, and compute that one query's attention directly
+    seen = []
+    m = kv.quantize_cache(model, "hadamard")
+    for b in m.blocks:
+        b.attn.qkv_transform = lambda q, k, v: seen.append((q, k, v)) or (q, k, v)
+    m(windows[:, :-1])
+    err = kv.attention_errors(model, name, windows, calib=windows)
+    qm = kv.quantize_cache(model, name, calib=windows)
+    layer = 2
+    q, k, v = seen[layer]
+    tr = qm.blocks[layer].attn.qkv_transform
+    for t in (0, 31, 32, 33, 64, 100, 127):
+        qt, kt, vt = q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1]
+        q_r, k_hat, v_hat = tr(qt, kt, vt)
+        att = qt @ kt.transpose(-2, -1) / 8.0  # sqrt(64)
+        att_hat = q_r @ k_hat.transpose(-2, -1) / 8.0
+        y, y_hat = att.softmax(-1) @ vt, att_hat.softmax(-1) @ v_hat
+        rms = (att_hat - att).double().pow(2).mean().sqrt()
+        rel = (y_hat - y).double().norm() / y.double().norm()
+        torch.testing.assert_close(err["scores"][layer, t], rms, rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(err["outputs"][layer, t], rel, rtol=1e-3, atol=1e-6)
+    if name == "kivi2":  # the first 32 queries read only float entries
+        assert torch.equal(err["outputs"][:, :32], torch.zeros(4, 32, dtype=torch.float64))
+    assert (err["outputs"][:, 40:] > 0).all()
+
+
+def test_attention_errors_of_a_rotation_alone_are_float_rounding(model, windows):
+    err = kv.attention_errors(model, "hadamard", windows)
+    assert err["scores"].max() < 1e-5 and err["outputs"].max() < 1e-5
+
+
+def test_attention_errors_refuse_partial_key_chunks(model):
+    w = quality.validation_windows(2, 100)  # 100 tokens: not whole chunks of 32
+    with pytest.raises(ValueError, match="multiple of 32 tokens"):
+        kv.attention_errors(model, "kivi4", w)
+    assert kv.attention_errors(model, "int4", w)["outputs"].shape == (4, 100)

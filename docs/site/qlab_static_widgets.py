@@ -42,6 +42,19 @@ STATES: dict[str, list[tuple[str, dict]]] = {
         ("16-bit weights", {"weight_bits": 16}),
         ("the same 4-bit weights with an 8-bit KV cache", {"kv_bits": 8}),
     ],
+    "KVCacheExplorer": [
+        (
+            "FP8 E4M3 with one calibrated scale per layer for K and one for V "
+            "(the layout of vLLM's fp8 cache with per-tensor k_scale / v_scale)",
+            {"scheme": "fp8_static_tensor"},
+        ),
+        # not a kivi scheme: those are decoded token by token, ~6 s more per site build
+        (
+            "2 bits per token (levels -1, 0, 1): the error is large from the first position "
+            "and grows along the sequence",
+            {"scheme": "int2"},
+        ),
+    ],
 }
 NOTE = (
     "Interactive widget, shown here as static pictures of {n} states. To move the "

@@ -8,10 +8,10 @@
 TinyLM goes to llama.cpp's `gpt2` the same way (export_llamacpp(quality.load_model(), path,
 "Q4_K_M"); LlamaCppLM(path).logits(windows)): see the section "TinyLM as gpt2" below.
 
-`qlab.gguf.export` writes general.architecture = "qlab", which no runtime loads. Here the
-same tensors (quantized by qlab.gguf.quantize, types from qlab.gguf.recipe_types) get the
-tensor names and metadata that llama.cpp's `bert` architecture reads (llama.cpp as vendored
-by llama-cpp-python 0.3.36):
+`qlab.gguf.export` writes general.architecture = "qlab", which llama.cpp refuses to load (an
+unknown architecture). Here the same tensors (quantized by qlab.gguf.quantize, types from
+qlab.gguf.recipe_types) get the tensor names and metadata that llama.cpp's `bert`
+architecture reads (llama.cpp as vendored by llama-cpp-python 0.3.36):
 
   * tensor names (src/llama-arch.cpp, LLM_TENSOR_NAMES): token_embd, position_embd,
     token_types, token_embd_norm, and per layer blk.N.attn_q / attn_k / attn_v /
@@ -260,10 +260,13 @@ def export_llamacpp(
 # with no output.weight in the file the head is the token embedding (TENSOR_DUPLICATED), as
 # TinyLM's is tied. Its loader requires a bias for attn_qkv, attn_output, ffn_up and ffn_down
 # (flag 0, not TENSOR_NOT_REQUIRED): they are written as zeros (F32, 1-D, never quantized),
-# which adds nothing. One arithmetic difference remains: ggml-cpu's GELU (ggml_vec_gelu_f32
-# with GGML_GELU_FP16) looks the tanh approximation up in a table indexed by the input
-# rounded to float16, TinyLM's F.gelu is erf's; tests/gguf/test_gguf_llamacpp_tinylm.py
-# measures what that does to the logits.
+# which adds nothing. The graph is the same; the arithmetic differs in ggml-cpu's GELU
+# (ggml_vec_gelu_f32 with GGML_GELU_FP16: the tanh approximation looked up in a float16
+# table indexed by the input rounded to float16; TinyLM's F.gelu is erf's), in llama.cpp's
+# default float16 KV cache (LlamaCppLM(..., type_k=0, type_v=0) keeps it float32), and, for
+# F16 and quantized files, in the rounding of every matmul's input to the weight type's
+# vec_dot_type (F16 for F16 weights; Q8_0, Q8_1 or Q8_K for quantized ones).
+# tests/gguf/test_gguf_llamacpp_tinylm.py measures the total and the GELU's share.
 #
 # Vocabulary: tokenizer model "gpt2" (byte-level BPE) with exactly 256 tokens, id b = GPT-2's
 # printable stand-in for byte b (bytes_to_unicode; llama.cpp's unicode_byte_to_utf8), all
@@ -273,6 +276,11 @@ def export_llamacpp(
 # ids are the bytes). The loader refuses a gpt2 vocabulary without a merges key, and gguf's
 # writer silently leaves out a key whose array is empty (GGUFWriter.add_array), so the file
 # holds one merge of two 2-character pieces, which no sequence of merges can ever produce.
+# The file sets no special ids, so llama.cpp's gpt2 defaults (src/llama-vocab.cpp) make id 11
+# (byte 0x0B) its BOS, EOS and end of generation; an id out of the vocabulary's range in
+# the file would be ignored in favour of that default. So llama.cpp's generation
+# (llama-cpp-python's Llama.create_completion, llama-completion) ends at a sampled 0x0B byte;
+# tokenization and the logits LlamaCppLM reads are unaffected.
 
 GPT2 = "gpt2"  # llama.cpp's LLM_ARCH_GPT2
 UNUSED_MERGE = "\u0120\u0120 \u0120\u0120"  # needs the symbol "ĠĠ", which nothing builds
@@ -427,7 +435,9 @@ class LlamaCppEncoder:
     def embed(self, texts, batch_size: int = 64, max_length: int = MAX_LENGTH) -> torch.Tensor:
         """float32 (n, n_embd), L2-normalised rows (batch_size is accepted and unused)."""
         rows = self.token_ids(list(texts), max_length)
-        out = torch.stack([self.embed_ids(r) for r in rows]) if rows else torch.empty(0)
+        if not rows:
+            return torch.empty(0, self.llm.n_embd())
+        out = torch.stack([self.embed_ids(r) for r in rows])
         return torch.nn.functional.normalize(out, p=2, dim=-1)
 
 

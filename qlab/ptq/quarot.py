@@ -1,10 +1,11 @@
 """QuaRot's exact transformations of TinyLM: fold the LayerNorms, then rotate the residual
 stream with a randomized Hadamard matrix (QuaRot, Ashkboos et al. 2024, arXiv:2404.00456,
 section 4; its Figure 3 shows the feed-forward block). Both return a NEW model that computes
-the same function as the input; nothing here quantizes.
+the same function as the input; quarot_quantize then quantizes such a model as QuaRot does.
 
     folded = fold_layernorms(model)        # LayerNorm -> plain RMS norm, affines folded
     rotated = rotate(folded, seed=0)       # x -> x Q on the residual stream, Hadamard at fc2
+    q = quarot_quantize(model, weights="int4", acts="int4", kv="hadamard_int4")  # 3. below
 
 1. fold_layernorms (SliceGPT, Ashkboos et al. 2024, arXiv:2401.15024, section 3: LayerNorm
    transformers converted to RMSNorm). With C = I - 1 1^T / d (the centring matrix: x C =
@@ -36,8 +37,22 @@ the same function as the input; nothing here quantizes.
    weight becomes Q^T W2 H: (h H)(Q^T W2 H)^T = h W2^T Q. H cannot be folded into fc1
    (GELU sits between). An identity in real arithmetic; float32 rounding differs.
 
-Not done here (QuaRot does it too): the Hadamard on values/attn.proj inputs and on keys
-and queries (qlab.kv's "hadamard" scheme rotates keys and queries).
+3. quarot_quantize: the steps of QuaRot's fake_quant/main.py (spcl/QuaRot) on TinyLM, in
+   its order: fold and rotate (or, with rotate=False, neither: main.py's unrotated baseline
+   runs the same steps on the model as it is), then the weights of the block linears (GPTQ,
+   sequential, on the inputs of the ROTATED model with float activations, as main.py runs
+   GPTQ before it configures the activation quantizers; or RTN), then each block linear's
+   input fake-quantized per token, then the KV cache (qlab.kv). The embeddings and the
+   output head stay float (QuaRot's code keeps lm_head in 16 bits: main.py, gptq_utils.py).
+   Weights: one symmetric scale per output channel, QuaRot's main setting, with qlab's
+   absmax scales (main.py's --w_clip searches a clipped scale instead).
+
+Not done here (QuaRot does it): the Hadamard on values/attn.proj inputs (rotation_utils.py's
+rotate_ov_proj folds a per-head Hadamard into v_proj's output and the full one into o_proj's
+input; main.py runs only the part across heads online, before o_proj: the attn.proj input is
+quantized unrotated here), the clipping ratios of activations and keys/values, and the
+key/query rotation inside the model (qlab.kv's "hadamard" and "hadamard_int4" schemes rotate
+keys and queries; values are not rotated).
 
 Exactness: both are identities in real arithmetic. The new weights are computed in float64
 and rounded to the model's dtype once per transformation (QuaRot's code, rotation_utils.py,
@@ -57,11 +72,17 @@ import math
 import torch
 from torch import nn
 
+import qlab.kv
+from qlab.lm import quality
 from qlab.lm.model import TinyLM
+from qlab.ptq import calibrate
 from qlab.ptq.rotation import fwht, hadamard
+from qlab.schemes import get_scheme
 
 __all__ = ["fold_layernorms", "rotate", "randomized_hadamard", "online_hadamard", "is_folded",
-           "token_kurtosis"]
+           "token_kurtosis", "quarot_quantize", "METHODS"]
+
+METHODS = ("gptq", "rtn")  # how quarot_quantize rounds the weights
 
 
 def _centre_rows(w: torch.Tensor) -> torch.Tensor:
@@ -191,3 +212,49 @@ def token_kurtosis(x: torch.Tensor) -> float:
     z = x.detach().double().flatten(0, -2)
     z = z - z.mean(dim=-1, keepdim=True)
     return float(((z**4).mean(-1) / (z**2).mean(-1) ** 2).mean())
+
+
+def _fold_and_rotate(model: TinyLM, seed: int) -> TinyLM:
+    return rotate(fold_layernorms(model), seed)
+
+
+def quarot_quantize(model: TinyLM, *, rotate: bool = True, weights: str | None = "int4",
+                    acts: str | None = "int4", kv: str | None = None, method: str = "gptq",
+                    seed: int = 0, calib: torch.Tensor | None = None,
+                    progress: bool = False) -> TinyLM:
+    """A new TinyLM quantized as QuaRot does it (module docstring, 3.); ``model`` untouched.
+
+    rotate:  fold_layernorms, then the rotation Q = randomized_hadamard(d_model, seed)
+             with the online Hadamard before fc2; False quantizes ``model`` as it is (the
+             unrotated baseline, through the same steps).
+    weights: qlab scheme of the block linears' weights, one scale per output channel
+             (None: float). method "gptq" (sequential, qlab.ptq.calibrate.quantize_model;
+             an integer scheme) or "rtn" (round to nearest, quality.quantize_weights).
+    calib:   GPTQ's calibration windows of TRAINING text (default
+             calibration_windows(): 32 x 256 bytes); unused by RTN.
+    acts:    qlab scheme of every block linear's input, one scale per token (None: float).
+    kv:      a qlab.kv scheme name (KV_SCHEME_NAMES) for the cache, or None.
+    """
+    if not isinstance(model, TinyLM):
+        raise TypeError(f"quarot_quantize takes a TinyLM, got {type(model).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    for scheme in (weights, acts):
+        if scheme is not None:
+            get_scheme(scheme)  # an unknown name fails here, before any calibration
+    if method == "gptq" and weights is not None and get_scheme(weights).grid.kind != "int":
+        raise ValueError(f"GPTQ takes integer weight schemes (int2..int8), got {weights!r}; "
+                         "use method='rtn' for other formats")
+    if kv is not None:
+        qlab.kv.get_kv_scheme(kv)
+    q = _fold_and_rotate(model, seed) if rotate else copy.deepcopy(model)
+    if weights is not None and method == "gptq":
+        q = calibrate.quantize_model(q, "gptq", weights, group_size=None, calib=calib,
+                                     progress=progress).model
+    elif weights is not None:
+        q = quality.quantize_weights(q, weights, "channel")
+    if acts is not None:
+        q = quality.quantize_activations(q, acts, "token")
+    if kv is not None:
+        q = qlab.kv.quantize_cache(q, kv)
+    return q.eval()

@@ -3,6 +3,7 @@
 - DecodeCalculator: model/bits/group/device -> decode ceiling, KV memory, sequences.
 - GranularityExplorer: scheme/bits/granularity/outliers -> histogram + grid, error plot.
 - FormatExplorer: format + value -> code, sign/exponent/mantissa fields, neighbours.
+- kv_explorer (KVCacheExplorer): KV-cache scheme -> attention and KL error along the sequence.
 - check_prediction: the "predict, then check" cells of the notebooks (plain text, no widget).
 
 Each module keeps its logic in plain functions returning plain data (decode_summary,
@@ -22,6 +23,7 @@ from qlab.widgets.granularity import (
     make_weights,
     measure,
 )
+from qlab.widgets.kv import KVCacheExplorer, kv_explorer
 from qlab.widgets.predict import check_prediction
 
 __all__ = [
@@ -29,11 +31,13 @@ __all__ = [
     "check_prediction",
     "FormatExplorer",
     "GranularityExplorer",
+    "KVCacheExplorer",
     "Measurement",
     "decode_summary",
     "describe_value",
     "explorer_data",
     "group_grid",
+    "kv_explorer",
     "make_weights",
     "measure",
 ]

@@ -1,4 +1,5 @@
-"""Fixtures shared by the tests that run llama.cpp itself (tests/gguf/test_gguf_llamacpp_*)."""
+"""Fixtures shared by the tests that run llama.cpp itself
+(tests/gguf/test_gguf_llamacpp_{runtime,tinylm,quantize}.py)."""
 
 import make_llamacpp_reference as reference  # tests/gguf/, on sys.path under pytest
 import pytest

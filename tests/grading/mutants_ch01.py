@@ -12,6 +12,10 @@ SYM_S = "s = scale.float() if scale != 0 else torch.tensor(1.0)"
 SYM_ROUND = "torch.round(x / s)"
 Z = "zero_point = torch.clamp(torch.round(-lo / s), 0, qmax)"
 CODES = "codes = torch.clamp(torch.round(x / s) + zero_point, 0, qmax).to(torch.uint8)"
+ASYM_LO = "lo = torch.clamp(x.min(), max=0.0)"
+ASYM_HI = "hi = torch.clamp(x.max(), min=0.0)"
+ASYM_SCALE = "scale = ((hi - lo) / qmax).to(torch.float16)"
+ASYM_RETURN = "return codes, scale, zero_point.to(torch.uint8)"
 DEQ = "return scale.float() * (codes.float() - zero_point.float())"
 
 _WRITTEN: dict[str, list[tuple[str, str]]] = {
@@ -125,6 +129,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ("S7 codes returned as int64", [(".to(torch.int8)", ".to(torch.int64)")]),
         ("S7 scale returned as float32", [("return codes, scale", "return codes, scale.float()")]),
         (
+            "S8 codes not clamped (a subnormal float16 scale passes qmax)",
+            [(f"torch.clamp({SYM_ROUND}, -qmax, qmax)", SYM_ROUND)],
+        ),
+        (
             "S2 scale stored as bfloat16",
             [
                 (
@@ -162,6 +170,27 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         (
             "A6 codes not clamped (2^b wraps to 0)",
             [(CODES, "codes = (torch.round(x / s) + zero_point).to(torch.uint8)")],
+        ),
+        (
+            "A9 hi - lo rounded to float16 before the division",
+            [(ASYM_SCALE, "scale = ((hi - lo).half().float() / qmax).to(torch.float16)")],
+        ),
+        (
+            "A9 lo and hi rounded to float16 first",
+            [(ASYM_LO, ASYM_LO + ".half().float()"), (ASYM_HI, ASYM_HI + ".half().float()")],
+        ),
+        (
+            "A9 scale in float16 arithmetic",
+            [(ASYM_SCALE, "scale = (hi.half() - lo.half()) / qmax")],
+        ),
+        (
+            "A10 scale returned as float32",
+            [(ASYM_RETURN, ASYM_RETURN.replace("scale,", "scale.float(),"))],
+        ),
+        ("A10 zero point returned as float32", [(ASYM_RETURN, "return codes, scale, zero_point")]),
+        (
+            "A11 zero point not clamped (a subnormal float16 scale passes 2^b - 1)",
+            [(Z, "zero_point = torch.round(-lo / s)")],
         ),
     ],
     "affine_dequantize": [

@@ -87,6 +87,10 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             [("blocks.abs().amax(dim=-1) / qmax)",
               "blocks.abs().amax(dim=-1).half().float() / qmax)")],
         ),
+        (
+            "G8 codes not clamped (a subnormal float16 scale passes qmax)",
+            [(f"torch.clamp({ROUND}, -qmax, qmax)", ROUND)],
+        ),
     ],
     "bits_per_weight": [
         (

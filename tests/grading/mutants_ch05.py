@@ -142,6 +142,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
                 )
             ],
         ),
+        (
+            "X6 scales returned as float64",
+            [("return torch.ldexp(torch.ones_like(amax), shared)",
+              "return torch.ldexp(torch.ones_like(amax), shared).double()")],
+        ),
     ],
     "mxfp4_quantize": [
         (
@@ -175,6 +180,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
                 ),
                 ("FP4.encode(blocks)", "e2m1_up(blocks)"),
             ],
+        ),
+        (
+            "M5 codes returned as int64",
+            [("return FP4.encode(blocks).reshape(rows, k), scales",
+              "return FP4.encode(blocks).reshape(rows, k).long(), scales")],
         ),
     ],
     "nvfp4_quantize": [
@@ -213,6 +223,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
                     "e2m1_up(blocks / (ts * bs)[..., None])",
                 ),
             ],
+        ),
+        (
+            "V9 tensor scale returned as float64",
+            [("return codes.reshape(rows, k), bs, ts",
+              "return codes.reshape(rows, k), bs, ts.double()")],
         ),
     ],
 }

@@ -128,6 +128,16 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             "W4 multiply by the reciprocal",
             [(QX, QX.replace("x / s_x[:, None]", "x * (1 / s_x[:, None])"))],
         ),
+        (
+            "W8 codes not clamped (a subnormal float16 scale passes 127)",
+            [("q_x = torch.clamp(torch.round(x / s_x[:, None]), -127, 127)",
+              "q_x = torch.round(x / s_x[:, None])")],
+        ),
+        (
+            "W7 float64 output (the exact sums never cast back)",
+            [("acc = (q_x.double() @ q_w.double().T).float()",
+              "acc = q_x.double() @ q_w.double().T")],
+        ),
     ],
 }
 

@@ -73,6 +73,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
              (FW_RET, "return (x.reshape(-1, n).float() @ y.reshape(n, n) / math.sqrt(n))"
                       ".reshape(x.shape)")],
         ),
+        (
+            "F5 returned as float64",
+            [("return (y / math.sqrt(n)).reshape(x.shape)",
+              "return (y / math.sqrt(n)).reshape(x.shape).double()")],
+        ),
     ],
     "llm_int8_matmul": [
         ("I1 |x| > threshold (strict)", [(I8_COLS, I8_COLS.replace(">=", ">"))]),
@@ -130,6 +135,16 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             "I5 no guard for all-zero rows (0 / 0)",
             [("torch.where(s_x == 0, 1.0, s_x)", "s_x"),
              ("torch.where(s_w == 0, 1.0, s_w)", "s_w")],
+        ),
+        (
+            "I11 codes not clamped (a subnormal float16 scale passes 127)",
+            [("q_x = torch.clamp(torch.round(x8 / torch.where(s_x == 0, 1.0, s_x)[:, None]), "
+              "-127, 127)", "q_x = torch.round(x8 / torch.where(s_x == 0, 1.0, s_x)[:, None])")],
+        ),
+        (
+            "I10 float64 output (the exact sums never cast back)",
+            [("acc = (q_x.double() @ q_w.double().T).float()",
+              "acc = q_x.double() @ q_w.double().T")],
         ),
     ],
 }

@@ -35,6 +35,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             "H4 Cholesky factor of H, not of H^-1",
             [(FACTOR, "return torch.linalg.cholesky(h, upper=True)")],
         ),
+        (
+            "H6 U returned as float32",
+            [("return torch.linalg.cholesky(h_inv, upper=True)",
+              "return torch.linalg.cholesky(h_inv, upper=True).float()")],
+        ),
     ],
     "gptq_block": [
         ("B1 round half away from zero",
@@ -57,6 +62,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ("B9 codes not clamped", [(f"torch.clamp({ROUND}, -qmax, qmax)", ROUND)]),
         ("B5 no update inside the block (RTN)", [(UPDATE, "pass")]),
         ("B5 update with column i of U (U^T)", [(UPDATE, UPDATE.replace("u[i, i:]", "u[i:, i]"))]),
+        (
+            "B10 codes returned as int64",
+            [("codes = torch.zeros(n, b, dtype=torch.int8)",
+              "codes = torch.zeros(n, b, dtype=torch.int64)")],
+        ),
     ],
     "awq_scale": [
         ("A1 mean of x, not of |x|", [(MEAN_ABS, "mean_abs = x.mean(dim=0).abs()")]),
@@ -68,6 +78,11 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
          [('qlab.fake_quantize(w * s, f"int{bits}", group_size) / s',
            'qlab.fake_quantize(w * s, f"int{bits}", group_size)')]),
         ("A5 error summed, not averaged", [("** 2).mean()", "** 2).sum()")]),
+        (
+            "A6 s returned as float64",
+            [("return s, err.item()",
+              "return s.double(), err.item()")],
+        ),
     ],
 }
 

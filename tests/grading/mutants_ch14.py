@@ -52,6 +52,7 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
             [("(blocks.abs().amax(dim=-1, keepdim=True) / qmax)",
               "(blocks.abs().amax(dim=-1, keepdim=True).half().float() / qmax)")],
         ),
+        ("T9 y not clamped to +-qmax s", [(ROUND, "q = torch.round(u)")]),
     ],
     "lsq_quantize": [
         ("L2 grad_x passes everywhere, clamped values too", [(LSQ_GRAD_X, "grad_x = grad_y")]),
@@ -79,6 +80,8 @@ _EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
         ("L5 mean over the group, not the sum", [(LSQ_SUM, LSQ_SUM.replace(".sum(", ".mean("))]),
         ("L1 round half away from zero", [(ROUND, ROUND_AWAY)]),
         ("L7 multiply by the reciprocal 1 / s", [("u = x / s", "u = x * (1 / s)")]),
+        ("L8 range tested on u = x / s against Q", [(LSQ_INSIDE, "inside = u.abs() <= qmax")]),
+        ("L1 y not clamped to [-Q, Q]", [(ROUND, "q = torch.round(u)")]),
     ],
 }
 

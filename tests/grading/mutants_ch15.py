@@ -1,5 +1,5 @@
 """Known-wrong implementations for chapter 15 (GGUF), merged into grading_bank.MUTANTS: one
-per spec clause of qlab/grading/tasks/ch15_gguf.py (D1-D4, K1-K3, Q1-Q5). Each is the
+per spec clause of qlab/grading/tasks/ch15_gguf.py (D1-D5, K1-K4, Q1-Q7). Each is the
 solution cell of solutions/15_gguf.ipynb with one textual change, and must fail `check` on
 every seed (test_grading_check.py runs them on several)."""
 
@@ -32,6 +32,12 @@ _EDITS = {
             [(Q4_RETURN, "return d * torch.where(q >= 8, q - 16, q).float()")],
         ),
         ("D4: q * d - 8 * d", [(Q4_RETURN, "return d * q.float() - 8 * d")]),
+        ("D5: the product in float16", [(Q4_RETURN, "return (d.half() * (q - 8).half()).float()")]),
+        (
+            "D6: returned as float64",
+            [("return d * (q - 8).float()",
+              "return d.double() * (q - 8).double()")],
+        ),
     ],
     "q4_k_scales": [
         ("K1: d and dmin swapped", [(K_RETURN, "return dmin * sc.float(), d * m.float()")]),
@@ -48,6 +54,15 @@ _EDITS = {
         (
             "K3: the top bits of sc taken from the min bytes",
             [(SC, SC.replace("(s[:, 0:4] >> 6)", "(s[:, 4:8] >> 6)"))],
+        ),
+        (
+            "K4: the products in float16",
+            [(K_RETURN, "return (d.half() * sc.half()).float(), (dmin.half() * m.half()).float()")],
+        ),
+        (
+            "K5: returned as float64",
+            [("return d * sc.float(), dmin * m.float()",
+              "return d.double() * sc.double(), dmin.double() * m.double()")],
         ),
     ],
     "q8_0_quantize": [
@@ -73,6 +88,11 @@ _EDITS = {
             [(D8, D8.replace("d = blocks.abs().amax(dim=-1) / 127",
                              "d = (blocks.abs().amax(dim=-1) / 127).clamp(min=1e-4)"))],
         ),  # fmt: skip
+        (
+            "Q8: d returned as float32",
+            [("return d.to(torch.float16), q.reshape(n, k).to(torch.int8)",
+              "return d, q.reshape(n, k).to(torch.int8)")],
+        ),
     ],
 }
 

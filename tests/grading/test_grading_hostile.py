@@ -312,6 +312,36 @@ def test_check_says_the_function_calls_the_reference(capsys):
         check("asym_quantize", get_task("asym_quantize").reference, seed=1)
 
 
+KV_CALLERS = """
+import qlab
+import qlab.kv
+
+def kivi_keys(k, bits, chunk, window):  # right values: qlab.quantize on the transpose
+    old = max(k.shape[0] - window, 0)
+    end = -(-old // chunk) * chunk
+    k_hat = k.clone()
+    if end:
+        qt = qlab.quantize(k[:end].T.contiguous(), f"uint{bits}_asym", chunk)
+        k_hat[:end] = qt.dequantize().T
+    k_hat[old:] = k[old:]
+    return k_hat
+
+def fp8_kv_cache(calib, x, per_head):  # qlab.kv's own scale and cache quantizer
+    s = qlab.kv.fp8_static_scale(calib[None], "head" if per_head else "tensor")
+    return s, qlab.formats.get("fp8_e4m3fn").encode(x / s), qlab.kv._fp8_static(x, s)
+"""
+
+
+def test_check_names_the_kv_cache_references(capsys):
+    """Chapter 16: functions that compute the right values by calling qlab are named."""
+    namespace: dict = {}
+    exec(textwrap.dedent(KV_CALLERS), namespace)
+    with pytest.raises(CheckFailed, match="kivi_keys passes only because it calls qlab.quantize"):
+        check("kivi_keys", namespace["kivi_keys"], seed=2)
+    with pytest.raises(CheckFailed, match="calls .*qlab.kv._fp8_static, qlab.kv.fp8_static_scale"):
+        check("fp8_kv_cache", namespace["fp8_kv_cache"], seed=2)
+
+
 def test_a_flag_without_forbid_keeps_the_points():
     task = get_task("bits_per_weight")
     cases = make_cases(task, 3)

@@ -226,6 +226,12 @@ VARIANTS = {
         {"q8_0_quantize": "Q6: roundf as trunc(y + copysign(0.5, y))"},
     ),
     "variant_recip127_15_gguf": ("15_gguf", {"q8_0_quantize": "Q7: d = absmax * (1 / 127)"}),
+    "variant_floor_nan_gqa_16_kv_cache": (
+        "16_kv_cache",
+        {"kivi_keys": "K9: floor instead of round",
+         "fp8_kv_cache": "P7: NaN beyond 448 instead of saturating",
+         "kv_budget": "B2: the query heads (n_heads) cached"},
+    ),
 }
 GRADED = CORE_ASSIGNMENTS + tuple(sorted({a for a, _ in VARIANTS.values()}))
 

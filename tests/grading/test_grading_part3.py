@@ -1,4 +1,4 @@
-"""Exercises 12-15 under `qlab grade`, end to end, in one class run.
+"""Exercises 12-16 under `qlab grade`, end to end, in one class run.
 
 test_grading_check.py runs each solution and every known-wrong implementation of these
 chapters through `check` on many seeds; here real (sandboxed) kernels grade, per
@@ -10,7 +10,7 @@ from grading_bank import EXERCISES, ClassRun, load, mutant_notebooks
 
 from qlab.grading import assignment_tasks, assignments
 
-PART3 = ("12_outliers", "13_gptq_awq", "14_qat", "15_gguf")
+PART3 = ("12_outliers", "13_gptq_awq", "14_qat", "15_gguf", "16_kv_cache")
 
 
 def _cases():

@@ -158,6 +158,30 @@ def test_sass_main_loop_counts_one_iteration():
         aot.sass_main_loop("        /*0000*/                   EXIT ;")
 
 
+SPLIT_K_LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/               @P1 BRA 0x10 ;
+        /*0030*/                   ISETP.NE.U32.AND P0, PT, R26, 0x1, PT ;
+        /*0040*/               @P0 BRA 0x80 ;
+        /*0050*/                   STG.E.U16 desc[UR12][R10.64], R15 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   NOP ;
+        /*0080*/                   STG.E desc[UR12][R12.64], R16 ;
+        /*0090*/                   ATOMG.E.ADD.STRONG.GPU PT, R9, desc[UR12][R24.64], R9 ;
+        /*00a0*/               @P0 EXIT ;
+        /*00b0*/                   LDG.E.STRONG.GPU R31, desc[UR12][R30.64] ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_sass_split_k_path_skips_the_plain_store_and_the_reduction():
+    sass = SPLIT_K_LISTING
+    path = aot.sass_split_k_path(sass, aot.sass_main_loop(sass))
+    # prologue: 0x0; epilogue: 0x30-0x40 (split_k > 1 jumps), then 0x80-0xa0 up to its EXIT
+    assert path == {"prologue": 1, "epilogue": 2 + 3}
+
+
 NOT_GEMMS = ("_w4a16_gemv_kernel", "_dequant_int4_kernel")
 
 

@@ -82,6 +82,19 @@ def test_split_k_fills_an_h100_and_is_deterministic():
     assert_within_bound(y1, x, weight, 128)
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_plan_reports_the_k_step_it_launches(m):
+    # g = 64: the plain GEMV (M = 1, GEMV_PLAIN's 128) and the GEMM configs of 128 shrink
+    # their K step to 64; the Launch's config (recorded by the benchmark) must say 64 too.
+    w = W4A16Weight(torch.empty(64, 128, dtype=torch.uint8), torch.empty(64, 4).half(),
+                    64, (64, 256), None)  # fmt: skip
+    x, out = torch.empty(m, 256).half(), torch.empty(m, 64).half()
+    for config in configs.configs_for("w4a16", m):
+        launch = w4a16_module.plan(x, w, out, config, configs.H100_SMS)
+        assert launch.config.block_k == launch.meta["BLOCK_K"] == 64, (config, launch.config)
+        assert launch.describe()["config"]["block_k"] == 64
+
+
 def test_from_qtensor_is_exactly_what_the_kernel_reads():
     torch.manual_seed(3)
     weight = torch.randn(24, 256)

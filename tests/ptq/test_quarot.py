@@ -1,15 +1,22 @@
 """QuaRot's exact transformations (qlab.ptq.quarot) on the shipped TinyLM: LayerNorm folding
-and the randomized Hadamard leave the logits unchanged, with and without the KV cache."""
+and the randomized Hadamard leave the logits unchanged, with and without the KV cache; and
+quarot_quantize, the whole pipeline (rotate, GPTQ or RTN weights, int4 inputs, KV cache)."""
 
 import pytest
 import torch
 from torch import nn
 
+import qlab
+import qlab.kv
+from qlab.lm import outliers
 from qlab.lm import quality as Q
-from qlab.ptq import quarot
+from qlab.ptq import calibrate, quarot
+from qlab.ptq.calibrate import calibration_windows, capture_inputs
+from qlab.ptq.gptq import hessian
 from qlab.ptq.quarot import (
     fold_layernorms,
     is_folded,
+    quarot_quantize,
     randomized_hadamard,
     rotate,
     token_kurtosis,
@@ -175,3 +182,110 @@ def test_rotation_flattens_activations(model, folded, rotated, windows):
     k_fc2 = [token_kurtosis(x) for x in _inputs(model, windows, "mlp.fc2")]
     k_fc2_rot = [token_kurtosis(x) for x in _inputs(rotated, windows, "mlp.fc2")]
     assert all(r < o / 3 for r, o in zip(k_fc2_rot, k_fc2, strict=True)), (k_fc2, k_fc2_rot)
+
+
+# --------------------------------------------------------------------------- quarot_quantize
+
+
+def test_quarot_quantize_without_quantizers_is_the_float_model(model, windows):
+    """Nothing quantized: rotate=False is a plain copy (bit-identical logits); rotated, the
+    logits move by float32 rounding only (RTOL_F32, as test_rotate_keeps_logits_float32);
+    so does the key/query Hadamard of qlab.kv's "hadamard" (measured 4.2e-6)."""
+    ref = Q.logits(model, windows)
+    plain = quarot_quantize(model, rotate=False, weights=None, acts=None)
+    assert torch.equal(Q.logits(plain, windows), ref)
+    for kv in (None, "hadamard"):
+        q = quarot_quantize(model, weights=None, acts=None, kv=kv)
+        assert q.blocks[0].mlp.hidden_transform is not None  # rotated, not a copy
+        assert _close(Q.logits(q, windows), ref, ref) < RTOL_F32, kv
+    assert isinstance(model.blocks[0].ln1, nn.LayerNorm)  # the input is left alone
+
+
+def test_unrotated_rtn_is_chapter_12_w4a4(model, windows):
+    """rotate=False, RTN: per-channel int4 weights and per-token int4 inputs, exactly the
+    "W4A4 per-token" recipe of chapter 12 (qlab.lm.outliers): the same logits, bit for bit."""
+    ours = Q.logits(quarot_quantize(model, rotate=False, method="rtn"), windows[:4])
+    ch12 = outliers.quantize_model(model, outliers.Recipe(weights="int4", acts="int4"))
+    assert torch.equal(ours, Q.logits(ch12, windows[:4]))
+
+
+def test_rtn_quantizes_the_rotated_weights_then_inputs_then_cache(model, rotated, windows):
+    q = quarot_quantize(model, method="rtn", acts="int4", kv="int4")
+    for name, lin in q.linear_layers().items():  # per output channel, of the ROTATED weight
+        expected = qlab.fake_quantize(rotated.get_submodule(name).weight, "int4", "channel")
+        assert torch.equal(lin.weight, expected), name
+    assert len(q.activation_quantizers) == len(q.linear_layers())  # one input quantizer each
+    # kv= is qlab.kv.quantize_cache on the W4A4 model, nothing else
+    w4a4 = quarot_quantize(model, method="rtn", acts="int4")
+    assert torch.equal(Q.logits(q, windows[:2]),
+                       Q.logits(qlab.kv.quantize_cache(w4a4, "int4"), windows[:2]))
+
+
+def test_w4a4kv4_full_forward_is_decoding(model, windows):
+    """Per-token inputs and the per-token int4 cache ("hadamard_int4": no full-precision
+    window) depend on each token alone, so the full forward that chapter 16 measures gives
+    what decoding one token at a time gives (qlab.kv's docstring). Measured max |diff|
+    1.3e-5 (|logits| <= 22.4): float32 rounding; bound 1e-3 of max |logits|."""
+    q = quarot_quantize(model, method="rtn", kv="hadamard_int4")
+    w = windows[:2, :65]
+    full = Q.logits(q, w)
+    assert _close(qlab.kv.decode_logits(q, w), full, full) < 1e-3
+
+
+class _Recorded(Exception):
+    pass
+
+
+def test_gptq_is_fed_the_rotated_model(model, folded, rotated, monkeypatch):
+    """The first layer GPTQ calibrates (blocks.0.attn.qkv, before any layer is quantized)
+    gets the rotated weight W Q and the Hessian of the rotated inputs, Q^T H Q with H the
+    folded model's: x -> x Q, float activations (the input quantizers come after GPTQ, as
+    in QuaRot's main.py). float32 Hessians of rounded inputs: measured max relative
+    difference 4.8e-7, bound 1e-5; the unrotated H differs by ~1 (relative)."""
+    calib = calibration_windows(2, 64)
+    seen = {}
+
+    def record(weight, h, *args, **kwargs):
+        seen["w"], seen["h"], seen["scheme_group"] = weight, h, args[:2]
+        raise _Recorded  # one layer is enough
+
+    monkeypatch.setattr(calibrate, "gptq", record)
+    with pytest.raises(_Recorded):
+        quarot_quantize(model, weights="int4", acts="int4", kv="int4", calib=calib)
+    assert torch.equal(seen["w"], rotated.blocks[0].attn.qkv.weight)
+    assert seen["scheme_group"] == ("int4", None)  # one scale per output channel
+    q = randomized_hadamard(192, 0, torch.float64)
+    h_fold = hessian(capture_inputs(folded, "blocks.0.attn.qkv", calib)).double()
+    h_rot = seen["h"].double()
+    assert _close(q.T @ h_fold @ q, h_rot, h_rot) < 1e-5
+    assert _close(h_fold, h_rot, h_rot) > 0.1  # the check can tell rotated from not
+
+
+def test_rotation_lowers_w4a4_error(model, windows):
+    """The rotation is what makes W4A4 work (QuaRot's premise), measured with RTN on 4
+    windows: KL 0.43 unrotated, 0.16 rotated (16 windows, chapter 16); bound: half."""
+    ref = Q.logits(model, windows[:4])
+    kl = {rot: Q.kl_per_token(ref, Q.logits(quarot_quantize(model, rotate=rot, method="rtn"),
+                                            windows[:4])).mean().item()
+          for rot in (False, True)}
+    assert kl[True] < kl[False] / 2, kl
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"method": "awq"}, ValueError, "method must be one of"),
+    ({"weights": "int9x"}, ValueError, "unknown scheme"),
+    ({"acts": "fp5"}, ValueError, "unknown scheme"),
+    ({"weights": "nvfp4"}, ValueError, "GPTQ takes integer"),
+    ({"kv": "int5"}, ValueError, "unknown KV-cache scheme"),
+])
+def test_quarot_quantize_refuses_bad_arguments(model, monkeypatch, kwargs, error, match):
+    monkeypatch.setattr(calibrate, "gptq", None)  # refused before any calibration starts
+    with pytest.raises(error, match=match):
+        quarot_quantize(model, **kwargs)
+
+
+def test_quarot_quantize_refuses_wrong_models(folded):
+    with pytest.raises(ValueError, match="already folded"):
+        quarot_quantize(folded, method="rtn")
+    with pytest.raises(TypeError, match="takes a TinyLM"):
+        quarot_quantize(nn.Linear(4, 4))

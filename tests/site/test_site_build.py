@@ -219,7 +219,7 @@ def test_static_picture_of_the_granularity_explorer():
     assert (explorer.family.value, explorer.granularity.value, explorer.readout.value) == before
 
 
-@pytest.mark.parametrize("name", ["DecodeCalculator", "FormatExplorer"])
+@pytest.mark.parametrize("name", ["DecodeCalculator", "FormatExplorer", "KVCacheExplorer"])
 def test_static_picture_of_every_course_widget(name):
     import qlab.widgets
 

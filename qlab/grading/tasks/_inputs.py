@@ -85,6 +85,14 @@ def fp16_amax_trap(g: torch.Generator, divisor: int) -> float:
     raise RuntimeError(f"no float16 absmax trap found for divisor {divisor}")
 
 
+def fp16_subnormal_scale(g: torch.Generator, qmax: int) -> float:
+    """A float32 quotient amax / qmax = (k + u) 2^-24 (k <= qmax / 4, u in [0.3, 0.45]) that
+    float16 stores as the subnormal k 2^-24, rounded down by over a tenth: then
+    amax / s = qmax (k + u) / k >= qmax + 0.5 rounds past the grid, and the clamp acts."""
+    k = randint(g, 1, max(1, qmax // 4))
+    return (k + float(torch.empty(()).uniform_(0.3, 0.45, generator=g))) * 2.0**-24
+
+
 def reciprocal_trap(g: torch.Generator, k: int) -> float:
     """A float16 scale s in [1, 2) for which x = (k + 0.5) * s divides to exactly k + 0.5 (a
     tie, round-half-to-even) while x * float32(1 / s) rounds to the other neighbour: a case

@@ -11,11 +11,15 @@ sym_quantize(x, bits) -> (codes int8, scale fp16 0-d)
   S3 codes divide by the STORED fp16 scale, not the fp32 one ........ "fp16 straddle"
   S4 a true division x / s, not x * (1 / s) ......................... "ties" (trap scale)
   S5 round half to even, both signs ................................. "ties"
-  (S3, S4, S6, A7, A8 pin qlab.quantize's order on purpose: the spec's first sentence says so
-  and why, and the feedback names x * (1 / s), the float32 scale or fp16(amax) where they differ)
-  (the clamp to +-qmax never acts: |x / s| <= qmax * (1 + 2^-11) < qmax + 0.5; an all-zero
-  tensor ("zeros", every run) must give scale 0 and codes 0, but without the divide-by-1
-  guard 0 / 0 = NaN casts to code 0 on this torch: the guard is advice, not graded)
+  S8 codes clamped to +-qmax: a scale below 2^-14 is a float16
+     subnormal, rounded down by up to a third, so |x / s| passes
+     qmax + 0.5 .................................................... "subnormal scale"
+  (S3, S4, S6, A7, A8, A9 pin qlab.quantize's order on purpose: the spec's first sentence says
+  so and why, and the feedback names x * (1 / s), the float32 scale, fp16(amax) or
+  fp16(hi - lo) where they differ)
+  (with a normal float16 scale the clamp never acts: |x / s| <= qmax (1 + 2^-11) < qmax + 0.5;
+  an all-zero tensor ("zeros", every run) must give scale 0 and codes 0, but without the
+  divide-by-1 guard 0 / 0 = NaN casts to code 0 on this torch: the guard is advice, not graded)
 asym_quantize(x, bits) -> (codes uint8, scale fp16, zero_point uint8)
   A1 range includes 0: lo = min(x, 0), hi = max(x, 0) ............... all >= 0 / all <= 0
   A2 scale = fp16((hi - lo) / (2^b - 1)) ............................ every case
@@ -25,8 +29,16 @@ asym_quantize(x, bits) -> (codes uint8, scale fp16, zero_point uint8)
   A6 codes clamped to [0, 2^b - 1] (a tie can reach 2^b) ............ "z tie, k odd"
   A7 codes divide by the stored fp16 scale .......................... "fp16 straddle"
   A8 a true division x / s, not x * (1 / s) ......................... "reciprocal"
-  (z's own clamp never acts: -lo / s <= (2^b - 1)(1 + 2^-11) rounds to <= 2^b - 1; the
-  all-zero tensor, every run, is checked but its guard invisible, as for S)
+  A9 s = fp16(float32 (hi - lo) / (2^b - 1)), rounded once: not lo, hi
+     or hi - lo rounded to fp16 first, nor float16 arithmetic ........ "span trap"
+  A10 codes uint8, scale float16, zero point uint8 or an int (graded) every case
+  A11 z clamped to [0, 2^b - 1]: a subnormal float16 scale (below
+      2^-14) rounded down makes -lo / s pass 2^b - 1 + 0.5 ........... "subnormal scale"
+  (a range whose scale overflows float16 or rounds to 0 cannot be stored: qlab.quantize raises
+  ValueError there, the spec says so, and no case draws one; a subnormal float16 scale is
+  stored like any other)
+  (with a normal float16 scale z's clamp never acts: -lo / s <= (2^b - 1)(1 + 2^-11) rounds to
+  <= 2^b - 1; the all-zero tensor, every run, is checked but its guard invisible, as for S)
 affine_dequantize(codes, scale, z) -> float32
   D1 x_hat = s * (q - z) with q - z signed (no uint8 wrap-around) ... "q < z"
   D2 in float32 (an fp16 product rounds) ............................ "fp16 product"
@@ -43,6 +55,7 @@ from qlab.grading.tasks._inputs import (
     choice,
     fp16_amax_trap,
     fp16_scale_straddle,
+    fp16_subnormal_scale,
     on_grid,
     randint,
     reciprocal_trap,
@@ -71,6 +84,8 @@ def _sym_explain(args, m: Mismatch) -> str:
         return head + " (an all-zero tensor: divide by 1, codes 0)"
     xi = float(x[m.index])
     note = f"{head}; x = {num(xi)}, x / s = {int_rounding(div32(xi, s))}"
+    if abs(round(div32(xi, s))) > qmax:
+        note += f", beyond the grid: the clamp gives {qmax if xi > 0 else -qmax}"
     recip = float(torch.tensor(xi) * (1 / torch.tensor(s)))
     if round(recip) != round(div32(xi, s)):
         note += f" (x * (1 / s) = {num(recip)} rounds otherwise: divide)"
@@ -113,6 +128,13 @@ def _sym_cases(g: torch.Generator):
     x = weights(g, (2, 8), scale=amax / 4).clamp(-amax, amax)
     x[randint(g, 0, 1), randint(g, 0, 7)] = amax * choice(g, (1.0, -1.0))
     cases.append((x, bits))
+    # subnormal scale: s = fp16(amax / qmax) = k 2^-24 with amax / qmax = (k + u) 2^-24
+    bits = randint(g, 3, 8)
+    qmax = 2 ** (bits - 1) - 1
+    amax = qmax * fp16_subnormal_scale(g, qmax)
+    x = weights(g, (2, 8), scale=amax / 2).clamp(-amax, amax)
+    x[randint(g, 0, 1), randint(g, 0, 7)] = amax * choice(g, (1.0, -1.0))
+    cases.append((x, bits))
     cases.append((torch.zeros(2, 8), randint(g, 2, 8)))  # zeros: scale 0, codes 0
     return cases
 
@@ -128,6 +150,16 @@ def _asym_explain(args, m: Mismatch) -> str:
         f"lo = min(x, 0) = {num(lo)}, hi = max(x, 0) = {num(hi)}, (hi - lo) / {levels} = "
         f"{num(s32)}, stored as float16: s = {num(s)}"
     )
+    lo16, hi16 = (torch.tensor(v, dtype=torch.float16) for v in (lo, hi))
+    early = {  # the scale from values rounded to float16 before the division
+        "fp16(hi - lo)": (torch.tensor(hi, dtype=torch.float32) - lo).half().float() / levels,
+        "(fp16(hi) - fp16(lo))": (hi16.float() - lo16.float()) / levels,
+    }
+    for what, v in early.items():
+        if float(v.half()) != s:
+            head += (f" ({what} / {levels} = {num(v.half())}: divide the float32 hi - lo, then "
+                     "round the quotient to float16 once)")
+            break
     if s == 0:
         return head + " (an all-zero tensor: divide by 1, z = 0, codes 0)"
     if m.output == "scale":
@@ -166,6 +198,8 @@ def _asym_cases(g: torch.Generator):
         cases.append(_asym_zero_tie(g, parity))
     cases.append(_asym_straddle(g))
     cases.append(_asym_reciprocal(g))
+    cases.append(_asym_span_trap(g))
+    cases.append(_asym_subnormal(g))
     cases.append((torch.zeros(1, 8), randint(g, 2, 8)))
     return cases
 
@@ -208,6 +242,43 @@ def _asym_reciprocal(g: torch.Generator):
     x = (lo + (hi - lo) * torch.rand(2, 16, generator=g)).clamp(lo, hi)
     x[0, 0], x[0, 1], x[1, 2], x[1, 3] = lo, hi, (k + 0.5) * s, -(k + 0.5) * s
     return (x, bits)
+
+
+def _asym_subnormal(g: torch.Generator):
+    """x <= 0 with (hi - lo) / levels a float32 quotient that float16 stores as a subnormal
+    rounded down by over a tenth: -lo / s rounds past 2^b - 1, so z's clamp acts (and the
+    codes' clamp at 0)."""
+    bits = randint(g, 3, 8)
+    levels = 2**bits - 1
+    lo = -levels * fp16_subnormal_scale(g, levels)
+    x = lo * torch.rand(2, 8, generator=g)
+    x[randint(g, 0, 1), randint(g, 0, 7)] = lo
+    return (x, bits)
+
+
+def _asym_span_trap(g: torch.Generator):
+    """A range [lo, hi] (lo = -t, t a float16, hi - lo exact in float32) whose scale
+    fp16((hi - lo) / levels) differs from the one computed after rounding hi - lo, or lo and
+    hi, to float16 first (in float32 or in float16 arithmetic)."""
+    bits = randint(g, 3, 8)
+    levels = 2**bits - 1
+    for _ in range(400):
+        span = torch.empty(()).uniform_(0.5, 4.0, generator=g)
+        t = randint(g, 1, 255) * 2.0**-9  # a float16, so lo = -t is one
+        lo, hi = torch.tensor(-t), span - t
+        if t >= float(span) or hi - lo != span:
+            continue
+        spec = (span / levels).half()
+        early = (
+            (span.half().float() / levels).half(),  # hi - lo rounded first
+            ((hi.half().float() - lo) / levels).half(),  # lo and hi rounded first
+            (hi.half() - lo.half()) / levels,  # float16 arithmetic throughout
+        )
+        if all(v != spec for v in early):
+            x = (lo + span * torch.rand(2, 16, generator=g)).clamp(lo, hi)
+            x[0, randint(g, 0, 15)], x[1, randint(g, 0, 15)] = lo, hi
+            return (x, bits)
+    raise RuntimeError("no float16 span trap for the asymmetric scale")
 
 
 def _asym_straddle(g: torch.Generator):

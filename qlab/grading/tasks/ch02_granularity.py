@@ -11,10 +11,13 @@ group_quantize(w, bits, g) -> (codes int8 (R, K), scales fp16 (R, K // g))
   G3 codes divide by the STORED fp16 scale .......................... "mixed groups" straddle
   G4 a true division, not x * (1 / s) ............................... "mixed groups" ties
   G5 round half to even ............................................. "mixed groups" ties
+  G8 codes clamped to +-qmax: a subnormal fp16 scale (below 2^-14),
+     rounded down, puts amax / s past qmax + 0.5 .................... "mixed groups" (1, 3)
   (G3, G4, G6 pin qlab.quantize's order on purpose, as in chapter 01: the spec's first sentence
   says so, and the feedback names w * (1 / s), the float32 scale or fp16(amax) where they differ)
-  (the clamp to +-qmax never acts, as in chapter 01; the all-zero group, every run, must
-  give scale 0 and codes 0, though a missing divide-by-1 guard is invisible there too)
+  (with a normal fp16 scale the clamp never acts, as in chapter 01; the all-zero group, every
+  run, must give scale 0 and codes 0, though a missing divide-by-1 guard is invisible there
+  too)
 bits_per_weight(bits, g, scale_bits, zero_bits) -> float
   B1 b + (scale_bits + zero_bits) / g: metadata amortised over g .... every case
   B2 zero_bits counted .............................................. zero_bits 4 and 8
@@ -31,6 +34,7 @@ from qlab.grading.tasks._inputs import (
     choice,
     fp16_amax_trap,
     fp16_scale_straddle,
+    fp16_subnormal_scale,
     on_grid,
     randint,
     reciprocal_trap,
@@ -66,6 +70,8 @@ def _group_explain(args, m: Mismatch) -> str:
         return head + " (an all-zero group: divide by 1, codes 0)"
     x = float(w[r, k])
     note = f"{head}; w = {num(x)}, w / s = {int_rounding(div32(x, s))}"
+    if abs(round(div32(x, s))) > qmax:
+        note += f", beyond the grid: the clamp gives {qmax if x > 0 else -qmax}"
     recip = float(torch.tensor(x) * (1 / torch.tensor(s)))
     if round(recip) != round(div32(x, s)):
         note += f" (w * (1 / s) = {num(recip)} rounds otherwise: divide)"
@@ -102,7 +108,8 @@ def _mixed_groups(g: torch.Generator):
     """(2, 4 groups of 16): group (0, 0) holds exact ties on a trap scale (RNE, and x * (1/s)
     rounds the other way), group (0, 1) is all zeros, group (0, 2) a float16 straddle (its
     fp32 scale moves a code), group (1, 0) an absmax whose float16 rounding before the
-    division changes the scale; the rest random, each group on its own scale."""
+    division changes the scale, group (1, 3) an absmax whose float16 scale is a subnormal
+    rounded down (the clamp acts); the rest random, each group on its own scale."""
     bits, gs = randint(g, 5, 8), 16
     qmax = 2 ** (bits - 1) - 1
     w = weights(g, (2, 4 * gs)) * torch.logspace(-1, 1, 4).repeat_interleave(gs)
@@ -119,6 +126,9 @@ def _mixed_groups(g: torch.Generator):
     amax = fp16_amax_trap(g, qmax)  # group (1, 0): fp16(fp16(amax) / qmax) is another scale
     w[1, :gs] = (w[1, :gs] / w[1, :gs].abs().max() * amax).clamp(-amax, amax)
     w[1, randint(g, 0, gs - 1)] = amax
+    amax = qmax * fp16_subnormal_scale(g, qmax)  # group (1, 3): a subnormal fp16 scale
+    w[1, 3 * gs :] = (w[1, 3 * gs :] / w[1, 3 * gs :].abs().max() * amax).clamp(-amax, amax)
+    w[1, 3 * gs + randint(g, 0, gs - 1)] = -amax
     return (w, bits, gs)
 
 

@@ -9,11 +9,13 @@ mx_scale(x, element) -> float32 (R, K // 32), one case per element format (all f
   X3 emax of the element format: 2, 2, 4, 8, 15 ..................... all five, every run
   X4 exponent clamped to [-127, 127]: a block with amax < 2^(emax-127)  "scale blocks" tiny
   X5 an all-zero block gets 2^-127 ................................... "scale blocks" zero
+  X6 float32 scales (the dtype is graded) ............................ every case
 mxfp4_quantize(x) -> (codes uint8 E2M1 (R, K), scales float32 (R, K // 32))
   M1 the scale of mx_scale with emax 2 (X2, X4, X5) .................. "mx edges"
   M2 elements E2M1(x / X), round half to even (ties both ways) ....... "mx edges" ties
   M3 saturation to +-6 (amax in [6X, 8X) ) ........................... "mx edges"
   M4 the sign bit is x's: -0.25 X rounds to -0, code 0x8 ............ "mx edges" ties
+  M5 codes uint8, scales float32 (the dtypes are graded) ............. every case
 nvfp4_quantize(x) -> (codes uint8 (R, K), block scales (R, K // 16), ts 0-d)
   V1 ts = amax / 2688 in one float32 division ....................... "nv traps"
   V2 bs = E4M3((block_amax / 6) / ts), in that order ................ "nv traps"
@@ -23,6 +25,7 @@ nvfp4_quantize(x) -> (codes uint8 (R, K), block scales (R, K // 16), ts 0-d)
   V6 E2M1 elements round half to even ............................... "nv ties"
   V7 blocks of 16 contiguous ......................................... every multi-block row
   V8 the sign bit is x's: -0.25 ts bs rounds to -0, code 0x8 ........ "nv ties" block 2
+  V9 codes uint8, block scales and ts float32 (the dtypes are graded)  every case
   (the clamp at 448 never acts: (block_amax / 6) / ts <= 448 up to rounding, which the
   saturating E4M3 encode absorbs; x is never all zeros, as the exercise states)
 """

@@ -21,6 +21,10 @@ w8a8_matmul(x (M, K), w (N, K)) -> float32 (M, N)
   W6 the float32 amax divided, then rounded to fp16 (not fp16(amax)) . "loud token" row 0
   W4 round half to even, true division .............................. "one-hot" ties
   W5 integer codes multiplied and summed exactly, rescaled once ..... every case
+  W7 a float32 result (the dtype is graded) ......................... every case
+  W8 codes clamped to +-127: a subnormal fp16 scale (below 2^-14),
+     rounded down, puts amax / s past 127.5 ......................... "loud token" row 3
+  (with a normal fp16 s the clamp never acts, as in chapter 01: |v / s| <= 127 (1 + 2^-11))
   (W3, W4, W6 pin qlab.quantize's order on purpose: the spec's first sentence says so, and the
   feedback names v * (1 / s), the float32 scale or fp16(amax) where they differ)
   The one-hot case makes single codes visible: row n of w is zero but for one weight at
@@ -38,6 +42,7 @@ from qlab.grading.tasks._inputs import (
     choice,
     fp16_amax_trap,
     fp16_scale_straddle,
+    fp16_subnormal_scale,
     randint,
     reciprocal_trap,
     weights,
@@ -143,6 +148,10 @@ def _w8a8_cases(g: torch.Generator):
         amax = fp16_amax_trap(g, 127)
         t[0] = (t[0] / t[0].abs().max() * amax).clamp(-amax, amax)
         t[0, randint(g, 0, 31)] = -amax
+    amax = 127 * fp16_subnormal_scale(g, 127)  # row 3: a subnormal s_x, its clamp acts
+    c = randint(g, 0, 31)
+    x[3] = (x[3] / x[3].abs().max() * amax).clamp(-amax, amax)
+    x[3, c], w[1, c] = amax, w[1].abs().max()  # q_x[3, c] meets q_w[1, c] = 127
     cases.append((x, w))
     cases.append(_one_hot(g))
     return cases

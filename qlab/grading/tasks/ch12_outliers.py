@@ -15,6 +15,7 @@ fwht(x (..., n)) -> float32 (..., n)
   F4 never form the n x n matrix: no tensor or array may hold more than
      max(4 x the input's elements, 144) (SizeLimit) ................. every case (n >= 256
      in the last one, so a matrix of n x n breaks it on every seed)
+  F5 a float32 result (the dtype is graded) ......................... every case
 llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)
   I1 outlier COLUMNS: any |x| >= threshold (ends included) in them .. a value == threshold
   I2 the threshold is the argument, not 6 ........................... a case at 3 or 4.5
@@ -27,6 +28,10 @@ llm_int8_matmul(x (M, K), w (N, K), threshold) -> float32 (M, N)
   I7 v / s with the STORED fp16 scale, not the float32 one ........... "traps" row 1
   I8 round half to even, a true division v / s (not v * (1 / s)) .... "traps" row 0 ties
   I9 the float32 absmax divided, then rounded to fp16 ................ "traps" row 2
+  I10 a float32 result (the dtype is graded) ........................ every case
+  I11 codes clamped to +-127: a subnormal fp16 scale (below 2^-14),
+      rounded down, puts amax / s past 127.5 ........................ the 4th case, x row 0
+  (with a normal fp16 s the clamp never acts, as in chapter 01: |v / s| <= 127 (1 + 2^-11))
   (I7-I9 pin qlab's order on purpose, not bitsandbytes': the spec's first sentence says so, and
   the feedback names v * (1 / s), the float32 scale or fp16(amax) where they differ)
 """
@@ -40,6 +45,7 @@ from qlab.grading.tasks._inputs import (
     choice,
     fp16_amax_trap,
     fp16_scale_straddle,
+    fp16_subnormal_scale,
     randint,
     reciprocal_trap,
     weights,
@@ -137,7 +143,12 @@ def _int8_cases(g: torch.Generator):
     w[0, col] = 0.3  # an output row whose weights are all in outlier columns: scale 0 too
     cases.append((x, w, t))
     x = weights(g, (randint(g, 2, 6), 32), scale=1.0)  # no outliers at all: pure int8
-    cases.append((x, weights(g, (randint(g, 2, 6), 32), scale=0.5), 100.0))
+    w = weights(g, (randint(g, 2, 6), 32), scale=0.5)
+    amax = 127 * fp16_subnormal_scale(g, 127)  # x row 0: a subnormal s_x, its clamp acts
+    c = randint(g, 0, 31)
+    x[0] = (x[0] / x[0].abs().max() * amax).clamp(-amax, amax)
+    x[0, c], w[0, c] = amax, 100.0  # q_w[0, c] = 127: unclamped, y[0, 0] moves >= 1.8e-4
+    cases.append((x, w, 100.0))
     cases.append(_int8_traps(g))
     return cases
 

@@ -9,6 +9,7 @@ gptq_hinv(h, damp) -> U
   H3 dampening relative to mean(diag H), not an absolute damp ............... every case
   H4 U is the UPPER Cholesky factor of H^-1 (U^T U = H^-1), not of H ........ every case
   H5 h is not modified in place (the harness compares it after the call) .... every case
+  H6 U float64 (the dtype is graded) ........................................ every case
 gptq_block(w, u, bits, group_size) -> (codes, scales, err)
   B1 round half to even ..................................... "edges": column 0, exact ties
   B2 fp16 scales ........................................................... every case
@@ -20,6 +21,7 @@ gptq_block(w, u, bits, group_size) -> (codes, scales, err)
   B7 codes from a float32 division fp32(w) / s (not float64) . "edges": group 3, column 0
   B8 w is not modified in place (the harness compares it after the call) .... every case
   B9 codes clamped to +-qmax (an update pushes a value past qmax * s) ..... "edges": group 4
+  B10 codes int8, scales float16, err float64 (the dtypes are graded) ....... every case
   (B6, B7 pin qlab.ptq.gptq_block's float32 steps on purpose: the spec's first sentence says so,
   and the feedback names the float64 scale or w / s where they differ)
   (and an all-zero group of dead inputs, "edges" group 2: scale 0, codes 0, err 0)
@@ -29,6 +31,7 @@ awq_scale(x, w, alpha, bits, group_size) -> (s, err)
   A3 normalised by sqrt(max(s) * min(s)) .................................... every case
   A4 W_hat = Q(W * s) / s ................................................... every case
   A5 err = mean over samples and outputs of (x W^T - x W_hat^T)^2 ........... every case
+  A6 s float32 (the dtype is graded) ........................................ every case
 """
 
 from __future__ import annotations

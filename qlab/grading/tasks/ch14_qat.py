@@ -15,16 +15,26 @@ ste_fake_quantize(x, bits, group_size, grad_y) -> (y, grad_x)
   T6 all-zero group: divide by 1, y = 0, the gradient passes ........... "edges", row 2
   T7 s = fp16(float32 amax / qmax), not fp16(fp16(amax) / qmax) ........ "amax trap"
   T8 u = x / s, a true division (not x * (1 / s)) ....................... "reciprocal"
+  T9 y clamped to +-qmax s: a subnormal fp16 scale (below 2^-14),
+     rounded down, puts amax / s past qmax + 0.5 ..................... "subnormal scale"
+  (with a normal fp16 s the forward clamp never acts, as in chapter 01: |x / s| <=
+  qmax (1 + 2^-11) < qmax + 0.5)
+  (T7, T8 pin qlab.fake_quantize's order on purpose: the spec's first sentence says so, and the
+  feedback names fp16(amax) / qmax and x * (1 / s) where they differ)
 lsq_quantize(x, scale, bits, grad_scale, grad_y) -> (y, grad_x, grad_scale)
   L1 y = clamp(round(x / s), -Q, Q) * s, round half to even ............ "edges", ties
+     (the clamp acts in "edges" row 1, whose step is 0.6 x its absmax one)
   L2 grad_x: STE inside [-Q s, Q s] (ends included), 0 beyond .......... "edges", row 0
   L3 ds: round(u) - u inside, -Q / +Q where clamped .................... every case
   L4 x == +-Q s exactly counts as inside (ds = 0, not +-Q) ............. "edges", row 0
   L5 summed over each group's elements, times grad_scale ............... every case
   L6 grad_scale is the argument (a random one), not LSQ's 1/sqrt(N Q) ... "edges", 3rd case
   L7 u = x / s, a true division (not x * (1 / s)) ....................... "reciprocal"
-  (L7 pins qlab.qat.lsq_fake_quantize's division on purpose: the spec's first sentence says so,
-  and the feedback names x * (1 / s) where it rounds otherwise)
+  L8 the range test compares x with the float32 products -Q s and Q s (not
+     u = x / s with Q: a float32 scale's Q s rounds) ...................... "range ends"
+  (L7, L8 pin qlab.qat.lsq_fake_quantize's order on purpose: the spec's first sentence says
+  so, and the feedback names x * (1 / s) and u against Q where they decide otherwise; in the
+  STE task s is a float16, Q s is exact in float32, and both range tests agree)
   (and an all-zero group, "edges" row 0: y = 0, no NaN, ds = 0; with the given scale > 0
   no rule above can break it, so it has no mutant of its own)
 """
@@ -37,6 +47,7 @@ from qlab.grading.registry import Mismatch, compare_values, exact, tasks_for
 from qlab.grading.tasks._inputs import (
     choice,
     fp16_amax_trap,
+    fp16_subnormal_scale,
     randint,
     reciprocal_trap,
     weights,
@@ -107,6 +118,11 @@ def _ste_cases(g: torch.Generator):
     bits, gs = randint(g, 3, 8), choice(g, (8, 16))  # reciprocal: x * (1 / s) moves a tie
     x = _reciprocal_group(g, gs, 2 ** (bits - 1) - 1)[0][None]
     cases.append((x, bits, gs, torch.randn(x.shape, generator=g)))
+    bits, gs = randint(g, 3, 8), choice(g, (8, 16))  # subnormal scale: the clamp acts
+    amax = (2 ** (bits - 1) - 1) * fp16_subnormal_scale(g, 2 ** (bits - 1) - 1)
+    x = weights(g, (1, gs), scale=amax / 2).clamp(-amax, amax)
+    x[0, randint(g, 0, gs - 1)] = amax * choice(g, (1.0, -1.0))
+    cases.append((x, bits, gs, torch.randn(x.shape, generator=g)))
     return cases
 
 
@@ -117,9 +133,42 @@ def _ste_reference(x, bits, group_size, grad_y):
     return y.detach(), x.grad
 
 
+def _ste_explain(args, m: Mismatch) -> str:
+    """The group's fp16 scale, u = x / s and the STE range at the bad element of y or grad_x,
+    naming fp16(amax) / qmax, x * (1 / s) and round(u) where they differ from the spec."""
+    x, bits, group_size, _ = args
+    qmax = 2 ** (bits - 1) - 1
+    r, k = m.index
+    group = x[r, k // group_size * group_size:(k // group_size + 1) * group_size]
+    amax = group.abs().max()
+    s = float((amax / qmax).half())
+    note = (f"group {k // group_size} of row {r}: amax = {num(amax)}, s = fp16(amax / {qmax}) = "
+            f"{num(s)}")
+    s_early = float((amax.half().float() / qmax).half())
+    if s_early != s:
+        note += (f" (fp16(amax) / {qmax} would give s = {num(s_early)}: divide the float32 "
+                 "absmax, then round the quotient to float16)")
+    if s == 0:
+        return note + " (an all-zero group: divide by 1, y = 0, the gradient passes)"
+    xi, end = float(x[r, k]), float(torch.tensor(qmax, dtype=torch.float32) * s)
+    note += f"; x = {num(xi)}, u = x / s = {int_rounding(div32(xi, s))}"
+    if abs(round(div32(xi, s))) > qmax:
+        note += f", beyond the grid: the clamp gives {qmax if xi > 0 else -qmax}"
+    recip = float(torch.tensor(xi) * (1 / torch.tensor(s)))
+    if round(recip) != round(div32(xi, s)):
+        note += f" (x * (1 / s) = {num(recip)} rounds otherwise: divide)"
+    if m.output == "grad_x":
+        inside = -end <= xi <= end
+        note += (f"; range [-{qmax} s, {qmax} s] = [{num(-end)}, {num(end)}] (ends included): "
+                 f"x is {'inside, the gradient passes' if inside else 'outside, gradient 0'}")
+        if inside != (abs(round(div32(xi, s))) <= qmax):
+            note += " (testing round(u) instead of x itself decides otherwise)"
+    return note
+
+
 task("ste_fake_quantize", "ste_fake_quantize", points=3, reference=_ste_reference,
      implements=("qlab.qat.fake_quantize_ste",),
-     compare=exact(names=("y", "grad_x")),
+     compare=exact(names=("y", "grad_x"), explain=_ste_explain),
      signature="ste_fake_quantize(x (R, K), bits, group_size, grad_y (R, K)) -> (y, grad_x)"
      )(_ste_cases)
 
@@ -165,7 +214,30 @@ def _lsq_cases(g: torch.Generator):
     row, s = _reciprocal_group(g, gs, qmax)
     grad_y = torch.randn(1, gs, generator=g)
     cases.append((row[None], torch.tensor([[s]]), bits, lsq_grad_scale(gs, qmax), grad_y))
+    cases.append(_lsq_range_ends(g))
     return cases
+
+
+def _lsq_range_ends(g: torch.Generator):
+    """One group with a float32 step s whose product Q * s rounds in float32, and +-x_end
+    on the side of that product where u = x / s compared with Q decides otherwise (the
+    spec's float32 product Q s is the end of the range)."""
+    bits, gs = randint(g, 3, 8), choice(g, (8, 16))
+    qmax = 2 ** (bits - 1) - 1
+    for _ in range(1000):
+        s = torch.empty(()).uniform_(1e-3, 4e-2, generator=g)
+        end = qmax * s  # the float32 product
+        if end.double() == qmax * s.double():
+            continue  # exact: both tests agree
+        x_end = end if end.double() > qmax * s.double() else torch.nextafter(end, end * 2)
+        if bool(x_end <= end) != bool(x_end / s <= qmax):
+            x = (torch.rand(gs, generator=g) * 1.8 - 0.9) * end
+            x[:2] = torch.stack([x_end, -x_end])
+            x = x[torch.randperm(gs, generator=g)][None]
+            grad_y = torch.randn(x.shape, generator=g).sign()
+            grad_y = grad_y * (1 + torch.rand(x.shape, generator=g))  # |grad_y| >= 1
+            return (x, s.reshape(1, 1), bits, lsq_grad_scale(gs, qmax), grad_y)
+    raise RuntimeError("no float32 range-end trap for LSQ")
 
 
 def _lsq_reference(x, scale, bits, grad_scale, grad_y):
@@ -177,17 +249,25 @@ def _lsq_reference(x, scale, bits, grad_scale, grad_y):
 
 
 def _lsq_explain(args, m: Mismatch) -> str:
-    """u = x / s at the bad element of y or grad_x, naming a tie and x * (1 / s)."""
+    """u = x / s at the bad element of y or grad_x, naming a tie and x * (1 / s), and for
+    grad_x the range test against the float32 product Q s."""
     x, scale, bits, _, _ = args
     qmax = 2 ** (bits - 1) - 1
     r, k = m.index
     s = float(scale[r, k // (x.shape[-1] // scale.shape[-1])])
     xi = float(x[r, k])
-    note = (f"x = {num(xi)}, s = {num(s)}, Q s = {num(qmax * s)}, "
+    end = float(torch.tensor(qmax, dtype=torch.float32) * torch.tensor(s))  # float32 Q s
+    note = (f"x = {num(xi)}, s = {num(s)}, Q s = {num(end)} (float32), "
             f"u = x / s = {int_rounding(div32(xi, s))}")
     recip = float(torch.tensor(xi) * (1 / torch.tensor(s)))
     if round(recip) != round(div32(xi, s)):
         note += f" (x * (1 / s) = {num(recip)} rounds otherwise: divide)"
+    if m.output == "grad_x":
+        inside = -end <= xi <= end
+        note += (f"; range [-Q s, Q s] (ends included): x is "
+                 f"{'inside, the gradient passes' if inside else 'outside, gradient 0'}")
+        if inside != (abs(div32(xi, s)) <= qmax):
+            note += " (comparing u = x / s with Q decides otherwise: compare x with Q s)"
     return note
 
 

@@ -9,11 +9,17 @@ decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)
   D2 byte 2 + j: low nibble = element j, high nibble = element j + 16 .... "edges" row 0, 1
   D3 x = d * (q - 8): offset 8, not a sign-extended nibble ............... "edges" row 1
   D4 one float32 multiply d * (q - 8) (not q*d - 8*d: inf - inf) ......... "edges" row 2
+  D5 that multiply in float32, not float16 (d has 11 significant bits with
+     the last one set, so d * 3 needs 13; -8 d overflows float16) ........ "edges" row 3
+  D6 a float32 result (the dtype is graded) .............................. every case
 q4k_scales(blocks uint8 (n, 144)) -> (scales float32 (n, 8), mins float32 (n, 8))
   K1 d = bytes 0-1, dmin = bytes 2-3 (float16); scale = d * sc, min = dmin * m .. every row
   K2 sub-blocks 0-3: sc = s[j] & 63, m = s[j + 4] & 63 (s = bytes 4..15) . "edges" row 0
   K3 sub-blocks 4-7: low 4 bits from s[j + 4] (sc low nibble, m high
      nibble), top 2 bits from bits 6-7 of s[j - 4] (sc) and s[j] (m) .... "edges" row 0
+  K4 d * sc and dmin * m in float32, not float16 (d and dmin have their
+     last mantissa bit set, so d * 17 needs 15 significant bits) ........ "edges" row 0
+  K5 scales and mins float32 (the dtypes are graded) ..................... every case
 quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))
   Q1 d = absmax / 127 in float32 (absmax of a negative value too) ........ "edges" row 1
   Q2 q = roundf(x * (1 / d)): multiply by the float32 reciprocal ......... "edges" row 2
@@ -23,6 +29,7 @@ quantize_q8_0(x float32 (n, 32 k)) -> (d float16 (n, k), q int8 (n, 32 k))
   Q6 roundf exactly: +-0.49999997 gives 0 (floor(|y| + 0.5) and
      trunc(y + copysign(0.5, y)) give +-1: |y| + 0.5 rounds to 1.0) ...... "edges" row 5
   Q7 d = absmax / 127, a division (absmax * (1 / 127) moves a code) ..... "edges" row 6
+  Q8 d float16, q int8 (the dtypes are graded) ........................... every case
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import qlab
 import qlab.gguf as G
 from qlab.grading.registry import Mismatch, exact, tasks_for
 from qlab.grading.tasks._inputs import choice, randint, rounding_splits, weights
-from qlab.grading.tasks._spec import num
+from qlab.grading.tasks._spec import hex_byte, num
 from qlab.scales import round_half_away
 
 task = tasks_for("15_gguf")
@@ -47,13 +54,21 @@ def _fp16_bytes(v: float) -> torch.Tensor:
     return torch.tensor([v], dtype=torch.float16).view(torch.uint8)
 
 
+def _odd_fp16(g: torch.Generator, exponent: int) -> float:
+    """A random float16 in [2^exponent, 2^(exponent + 1)) with its last mantissa bit set
+    (11 significant bits), so its products with odd integers > 1 round in float16."""
+    return (1 + (2 * randint(g, 0, 511) + 1) / 1024) * 2.0**exponent
+
+
 # --------------------------------------------------------------------------- Q4_0 decode
 
 
 def _q4_0_edges(g: torch.Generator) -> torch.Tensor:
     """Row 0: a real block whose halves differ (positive first half, negative second) with a
     scale whose two bytes differ; row 1: every nibble value in both halves, in different
-    orders; row 2: d = +inf (an fp16 scale overflow) with codes on both sides of 8."""
+    orders; row 2: d = +inf (an fp16 scale overflow) with codes on both sides of 8; row 3: a
+    float16 d in [8192, 16384) with its last mantissa bit set, codes 0 and 11 among random
+    ones: d * -8 and d * 3 are exact in float32 but overflow / round in float16."""
     w = weights(g, (1, 32)).abs() + 0.01
     w[0, 16:] = -w[0, 16:] * 0.5
     rows = [G.quantize(w, "Q4_0").data[0]]
@@ -64,6 +79,9 @@ def _q4_0_edges(g: torch.Generator) -> torch.Tensor:
     codes = _rand_bytes(g, 1, 16)[0]
     codes[0] = 0x1F  # q = 15 and q = 1: inf * (q - 8) = +-inf, while q*d - 8*d = inf - inf
     rows.append(torch.cat([_fp16_bytes(float("inf")), codes]))
+    codes = _rand_bytes(g, 1, 16)[0]
+    codes[randint(g, 0, 15)] = 0xB0  # q = 0 (x = -8 d) and q = 11 (x = 3 d)
+    rows.append(torch.cat([_fp16_bytes(_odd_fp16(g, 13)), codes]))
     return torch.stack(rows)
 
 
@@ -76,12 +94,29 @@ def _q4_0_cases(g: torch.Generator):
     return cases
 
 
+def _q4_0_explain(args, m: Mismatch) -> str:
+    """d, the byte and nibble of the bad element, and d * (q - 8) in float32 (and float16)."""
+    (blocks,) = args
+    r, i = m.index
+    d = blocks[r, 0:2].contiguous().view(torch.float16)
+    byte = int(blocks[r, 2 + i % 16])
+    q = byte & 0xF if i < 16 else byte >> 4
+    x = d.float() * (q - 8)
+    note = (f"block {r}: d = bytes 0-1 (little-endian float16) = {num(d)}; element {i} is the "
+            f"{'low' if i < 16 else 'high'} nibble of byte {2 + i % 16} = {hex_byte(byte)}: "
+            f"q = {q}, d * (q - 8) = {num(x)} in float32")
+    if not torch.equal(torch.nan_to_num((d * (q - 8)).float()), torch.nan_to_num(x)):
+        note += f" (in float16 it would be {num(d * (q - 8))}: multiply in float32)"
+    return note
+
+
 task("q4_0_decode", "decode_q4_0", points=3,
      implements=("qlab.gguf.types.dequantize",
                  "qlab.gguf.legacy.dequantize",
                  "qlab.gguf.legacy.unpack",),
      reference=lambda blocks: G.from_bytes("Q4_0", (len(blocks), 32), blocks).dequantize(),
-     compare=exact(), signature="decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)")(_q4_0_cases)
+     compare=exact(explain=_q4_0_explain),
+     signature="decode_q4_0(blocks uint8 (n, 18)) -> float32 (n, 32)")(_q4_0_cases)
 
 
 # --------------------------------------------------------------------------- Q4_K scales
@@ -93,10 +128,10 @@ _M = torch.tensor([[1, 60, 32, 15, 63, 16, 47, 2]], dtype=torch.uint8)
 
 
 def _q4k_edges(g: torch.Generator) -> torch.Tensor:
-    """Row 0: crafted sub-block scales/mins (_SC, _M) under random d in [0.01, 0.05] and
-    dmin in [0.001, 0.005] (never equal: swapping them shows); row 1: a real super-block."""
-    head = torch.cat([_fp16_bytes(0.01 + 0.0008 * randint(g, 0, 50)),
-                      _fp16_bytes(0.001 + 0.00008 * randint(g, 0, 50))])  # fmt: skip
+    """Row 0: crafted sub-block scales/mins (_SC, _M) under random float16 d in [2^-6, 2^-5)
+    and dmin in [2^-9, 2^-8) (never equal: swapping them shows), each with its last mantissa
+    bit set (so d * sc rounds in float16 for every odd sc > 1); row 1: a real super-block."""
+    head = torch.cat([_fp16_bytes(_odd_fp16(g, -6)), _fp16_bytes(_odd_fp16(g, -9))])
     crafted = torch.cat([head, G.kquants.pack_scales_k4(_SC, _M)[0], _rand_bytes(g, 1, 128)[0]])
     real = G.quantize(weights(g, (1, 256), outliers=True), "Q4_K").data[0]
     return torch.stack([crafted, real])
@@ -117,9 +152,25 @@ def _q4k_reference(blocks: torch.Tensor):
     return scales, mins
 
 
+def _q4k_explain(args, m: Mismatch) -> str:
+    """The super-block scale, the 6-bit value of the bad sub-block and their float32 product
+    (and the float16 one where it differs)."""
+    (blocks,) = args
+    r, j = m.index
+    f = G.from_bytes("Q4_K", (blocks.shape[0], 256), blocks).fields
+    head, six = ("d", "sc") if m.output == "scales" else ("dmin", "m")
+    big, small = f[head][r], int(f[six][r, j])
+    prod = big.float() * small
+    note = (f"super-block {r}: {head} = {num(big)} (float16), {six}[{j}] = {small} (6 bits), "
+            f"{head} * {six}[{j}] = {num(prod)} in float32")
+    if not torch.equal(torch.nan_to_num((big * small).float()), torch.nan_to_num(prod)):
+        note += f" (in float16 it would be {num(big * small)}: multiply in float32)"
+    return note
+
+
 task("q4_k_scales", "q4k_scales", points=3, reference=_q4k_reference,
      implements=("qlab.gguf.kquants.unpack_scales_k4",),
-     compare=exact(names=("scales", "mins")),
+     compare=exact(names=("scales", "mins"), explain=_q4k_explain),
      signature="q4k_scales(blocks uint8 (n, 144)) -> (scales float32 (n, 8), mins (n, 8))"
      )(_q4k_cases)
 
