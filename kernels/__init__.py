@@ -2,7 +2,7 @@
 
 Same source, three ways: natively on a CUDA GPU; on any Linux CPU through the Triton
 interpreter (picked automatically when no GPU is present); and compiled ahead of time
-for sm_80/sm_90/sm_100 on any CPU (compile_for). Every kernel is tested against qlab.
+for sm_80/sm_89/sm_90/sm_100 on any CPU (compile_for). Every kernel is tested against qlab.
 
     dequantize_int4(packed, scales, group_size)      the primer (bit-exact with qlab)
     pack_w4a16(weight, group_size) / w4a16_linear    weight-only int4, 16-bit activations

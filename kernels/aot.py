@@ -10,7 +10,8 @@ M bucket (or `config=`), the split-K the wrapper would pick on an H100 (132 SMs,
 `sms=`), and Triton's own argument specialization (16-byte alignment, divisibility by 16),
 then Triton's GPU pipeline TTIR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for `arch`.
 No driver is needed. The kernels on a machine without a GPU are interpreter functions, so
-the build runs in a fresh Python with TRITON_INTERPRET=0 (a few seconds; Triton caches).
+the build runs in a fresh Python with TRITON_INTERPRET=0 (up to tens of seconds per
+build, depending on the machine; Triton caches).
 
 What the GPU runs is the cubin's SASS, not the PTX: ptxas may serialise what the PTX
 pipelined. So each launch also carries, from the tools that ship inside the triton wheel:

@@ -7,10 +7,10 @@ bf16, torch._scaled_mm both accumulation modes, GEMM-only and end to end) is
   1. run once (compiling and autotuning) and CHECKED against qlab (kernels/tolerance.py);
      a wrong output is recorded and never timed;
   2. timed by ONE method for every row: CUDA events around single calls, each call after
-     a sum over a FLUSH buffer of at least 512 MB (8x L2). The sum only READS: L2 is left
-     holding clean lines of that buffer, none of the call's weights, and no dirty line
-     whose write-back would be charged to the timed kernel (do_bench's flush, zero_(),
-     writes). Median of as many calls as fit in --rep-ms;
+     a sum over a FLUSH buffer of at least 512 MiB and at least 8x L2 (10x an H100's 50 MB).
+     The sum only READS: L2 is left holding clean lines of that buffer, none of the call's
+     weights, and no dirty line whose write-back would be charged to the timed kernel
+     (do_bench's flush, zero_(), writes). Median of as many calls as fit in --rep-ms;
   3. put beside the roofline model's expected time for the matched datasheet device
      (kernels/roofline.py: a model, a lower bound), with the bound that applies and the
      percent of it achieved; speedups over bf16 and over the matching baseline.

@@ -89,8 +89,9 @@ def dequantize_int4(
 
     packed: uint8 (..., K // 2) from qlab.pack_int4(qt.codes) of qlab.quantize(w, "int4", g)
     scales: float16/float32 (..., K // group_size), i.e. qt.scales
-    out_dtype: float32 (exact), or float16/bfloat16 (the exact value rounded once; what
-    a dequantize-then-matmul pipeline feeds the 16-bit matmul)
+    out_dtype: float32 (exact for fp16 scales; with fp32 scales rounded once, as
+    qlab.dequantize does: bit-exact either way), or float16/bfloat16 (the fp32 value
+    rounded once; what a dequantize-then-matmul pipeline feeds the 16-bit matmul)
     """
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")

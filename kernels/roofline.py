@@ -7,7 +7,9 @@ A kernel moving B bytes and doing F FLOPs takes at least
 on a device (qlab.cost.Device: datasheet bandwidth and dense tensor-core peaks). Its
 arithmetic intensity F / B against the ridge point peak / bandwidth says which bound
 applies. This is a MODEL: it charges nothing for unpacking, launches or latency, so a
-measured kernel can only be slower. kernels/bench.py puts it beside every measurement.
+measured kernel whose data comes from HBM (kernels/bench.py reads a flush buffer before
+every call) can only be slower; a warm L2 can report more bandwidth than HBM has.
+kernels/bench.py puts it beside every measurement.
 
 A third roof, instruction issue: an SM issues at most one warp instruction per clock from
 each of its 4 schedulers, 128 thread-instructions per clock. On Hopper an SM also does 4,096
@@ -21,7 +23,10 @@ bf16 peak implies 1.83 GHz; the datasheet's fp32 peak, 67e12 = SMs x 128 fp32 la
 FLOPs per clock, implies 1.98 GHz, which would give 10.0 and 7.0 per byte: the model takes
 the conservative clock (notebook 09 computes both). A kernel whose main loop issues I SASS
 instructions per byte it streams cannot stream faster than issue rate / I bytes per second
-(issue_seconds; I from compile_for).
+(issue_seconds; I from compile_for). Issue is not the only instruction roof: a Hopper
+partition has 16 INT32 units, half its issue width, so integer and logic instructions
+(LOP3, shifts, LEA, compares) take two clocks per warp if they all run there; notebook 09
+counts them in the W4A16 GEMV's loop (about 5 % more clocks than issuing the whole loop).
 
 Kernels counted (x is (M, K) bf16, W is (N, K), y is (M, N) bf16, group g):
 

@@ -1,6 +1,6 @@
 """W4A16: int4 weights with group scales, 16-bit activations, fp32 accumulation.
 
-Weight-only quantization (GPTQ, AWQ, most GGUF files): the packed 4-bit weights are what
+Weight-only quantization (GPTQ, AWQ checkpoints): the packed 4-bit weights are what
 crosses the memory bus, 16 / 4.125 = 3.88x fewer bytes than bf16 at group 128; they are
 unpacked and scaled inside the kernel and the arithmetic stays 16-bit.
 
@@ -18,8 +18,9 @@ program = block_n rows x one K range; thread lane = 4r + q):
         words = 16 int32 (4 x 16-byte loads): rows r, r+8, r+16, r+24, k0+32q .. k0+32q+31
         xs = x[k0 + 32q : k0 + 32q + 32]           # the same K for every row: the B operand
         for each of 16 words: 4 LOP3 (+ shifts) and 4 HADD2/HFMA2 -> four 16-bit pairs
-            (0x6400 | n = 1024 + n in fp16, 0x4300 | n = 128 + n in bf16; minus the magic
-            and the 8: the exact code),
+            (bf16: 0x4300 | n = 128 + n, minus 136; fp16: 0x6400 | n = 1024 + n, minus
+            1032, or the high nibble in place, 0x6400 | 16 n = 1024 + 16 n, times 1/16
+            minus 72: the exact code),
             one mma.sync.m16n8k16 (x in all 8 columns of B: every column is the dot)
         acc[my rows] += mma_sum * s[my rows, k0 // g]  # fp32, once per row per step
     y[rows] = acc             # or: reduce split_k partial sums (kernels/_tiles.py)
@@ -328,8 +329,9 @@ def _mma_step_asm(bf16: bool) -> str:
     Operands: $0..$3 the four fp32 sums out; $4..$19 the thread's 16 weight words (decode
     layout: words 0-7 the rows of mma block 0, 8-15 of block 1); $20..$35 its 16 words of
     x (x[32q .. 32q + 31] as 16-bit pairs); $36..$39 the rows' scales (fp32); $40..$43 the
-    sums in. Per word: 4 LOP3 (and 1 or 3 shifts) give four 16-bit pairs (1024 + n or
-    128 + n, n = code + 8), one HADD2/HFMA2 each subtracts the magic and the 8, one HMMA.
+    sums in. Per word: 4 LOP3 (and 1 or 3 shifts) give four 16-bit pairs (bf16: 128 + n, n =
+    code + 8; fp16: two of 1024 + n, two of 1024 + 16 n), one HADD2/HFMA2 each leaves the
+    code (a - 136 in bf16; a - 1032, or a / 16 - 72, in fp16), one HMMA.
     """
     ty = "bf16" if bf16 else "f16"
     magic = "0x43004300" if bf16 else "0x64006400"

@@ -39,13 +39,15 @@ the same function as the input; quarot_quantize then quantizes such a model as Q
 
 3. quarot_quantize: the steps of QuaRot's fake_quant/main.py (spcl/QuaRot) on TinyLM, in
    its order: fold and rotate (or, with rotate=False, neither: main.py's unrotated baseline
-   runs the same steps on the model as it is), then the weights of the block linears (GPTQ,
-   sequential, on the inputs of the ROTATED model with float activations, as main.py runs
-   GPTQ before it configures the activation quantizers; or RTN), then each block linear's
-   input fake-quantized per token, then the KV cache (qlab.kv). The embeddings and the
-   output head stay float (QuaRot's code keeps lm_head in 16 bits: main.py, gptq_utils.py).
-   Weights: one symmetric scale per output channel, QuaRot's main setting, with qlab's
-   absmax scales (main.py's --w_clip searches a clipped scale instead).
+   runs the same steps on the model as it is, except that its QKRotationWrapper still
+   Hadamard-rotates queries and keys whenever k_bits < 16; kv="int4" here does not), then the
+   weights of the block linears (GPTQ, sequential, on the inputs of the ROTATED model with
+   float activations, as main.py runs GPTQ before it configures the activation quantizers;
+   or RTN), then each block linear's input fake-quantized per token, then the KV cache
+   (qlab.kv). The embeddings and the output head stay float (QuaRot's code keeps lm_head in
+   16 bits: main.py, gptq_utils.py). Weights: one symmetric scale per output channel,
+   QuaRot's main setting, with qlab's absmax scales (main.py's --w_clip searches a clipped
+   scale instead).
 
 Not done here (QuaRot does it): the Hadamard on values/attn.proj inputs (rotation_utils.py's
 rotate_ov_proj folds a per-head Hadamard into v_proj's output and the full one into o_proj's

@@ -47,9 +47,9 @@ kv_budget(n_layers, n_heads, n_kv_heads, head_dim, n_params, weight_bits, memory
   B6 free memory = memory_bytes - n_params * weight_bits / 8 .............. every case
   B7 sequences = floor(free / (bytes_per_token * context)), 0 when the
      weights do not fit (never negative) .................................. "tight", "full"
-  (floats compared with rtol 1e-12: the order of float64 operations is not the lesson; every
-  case's free / (bytes per sequence) has a fractional part in [0.1, 0.9], so floor is not
-  decided by the last bit)
+  (floats compared with rtol 1e-12: the order of float64 operations is not the lesson; in
+  every case but "full" (weights beyond memory: 0 sequences) free / (bytes per sequence) has
+  a fractional part in [0.1, 0.9], so floor is not decided by the last bit)
 """
 
 from __future__ import annotations
