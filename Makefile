@@ -51,14 +51,16 @@ clean:
 # Optional: llama.cpp itself (llama-cpp-python, the extra `llamacpp`), to run chapter 15's
 # GGUF files in it and test them there (tests/gguf/test_gguf_llamacpp_{runtime,tinylm,
 # quantize}.py). PyPI has only its source, so pip compiles llama.cpp (needs g++; cmake and
-# ninja come from PyPI): the library alone, without llava, server, tools, examples or tests.
-# pip keeps the built wheel in its wheel cache (~/.cache/pip), so a later install, after
-# `make clean` too, does not compile again. Measured cold build: 5 min 45 s on two idle
-# cores (627 s user + 28 s system CPU; the same build took 49 min on two cores shared with
-# eight other processes).
+# ninja come from PyPI): the library alone, without llava, server, tools, examples or tests,
+# and without llama.cpp's common/ library and cpp-httplib, which llama-cpp-python would build
+# for llama.cpp's tools (cmake/llamacpp-lib-only.cmake says how). pip keeps the built wheel
+# in its wheel cache (~/.cache/pip), so a later install, after `make clean` too, does not
+# compile again. Measured cold build: 2 min 25 s on two idle cores (256 s user + 12 s system
+# CPU; with common/ and cpp-httplib, 5 min 45 s and 655 s).
 LLAMACPP_STAMP := $(VENV)/.qlab-llamacpp
 LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llamacpp-lib-only.cmake
 .PHONY: llamacpp
 llamacpp: $(LLAMACPP_STAMP)
 
@@ -68,8 +70,8 @@ $(LLAMACPP_STAMP): $(STAMP)
 	touch $(LLAMACPP_STAMP)
 
 # The tests that run llama.cpp itself (they fail here if it is missing; `make test` skips
-# them without it: its cold build and these tests, about 10 minutes, do not fit beside the
-# rest, 19.5 minutes, in CI's 30 with a safe margin).
+# them without it: its cold build and these tests, about 6 minutes on two idle cores, do not
+# fit beside the rest, about 21 minutes, in CI's 30 with a safe margin).
 .PHONY: test-llamacpp
 test-llamacpp: llamacpp
 	QLAB_LLAMACPP=require $(BIN)/python -m pytest tests/gguf/test_gguf_llamacpp_runtime.py \

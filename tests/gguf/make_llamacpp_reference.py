@@ -131,9 +131,9 @@ def llama_cpp_or_skip():
 
     `make test-llamacpp` builds it (`make llamacpp`) and runs these tests with
     QLAB_LLAMACPP=require, where a missing module FAILS. Elsewhere, `make test` and CI
-    included, they skip without it: a cold build of llama.cpp takes 5 min 45 s on two idle
-    cores (655 s of CPU, measured), which with these tests does not fit in CI's 30-minute
-    budget beside the rest with a safe margin."""
+    included, they skip without it: a cold build of llama.cpp takes 2 min 25 s on two idle
+    cores (268 s of CPU, measured, with the Makefile's flags), and the tests 3 min 45 s,
+    which do not fit in CI's 30-minute budget beside the rest with a safe margin."""
     import pytest  # only the tests call this
 
     try:
