@@ -1,6 +1,7 @@
 # The course in two commands:
 #   make lab    set up (a virtual environment in .venv if there is none) and open JupyterLab
-#   make test   set up, then run every test: qlab, kernels, grading, notebooks, browser
+#   make test   set up (and build llama.cpp once), then run every test: qlab, kernels,
+#               grading, notebooks, browser, llama.cpp
 #   make test-fast  the tests not marked slow (tests/conftest.py), for the inner loop
 PYTHON ?= python3
 VENV ?= .venv
@@ -32,10 +33,12 @@ $(STAMP): pyproject.toml constraints.txt
 lab: setup
 	$(BIN)/jupyter lab --ServerApp.root_dir=. notebooks/00_why_quantization.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
-# notebooks/: tests/notebooks/test_chapters.py runs every chapter once (the site's browser
-# test builds from that run); solutions/ run under nbval
-test: setup
-	$(BIN)/python -m pytest tests solutions $(PYTEST_NB)
+# notebooks/: tests/notebooks/test_chapters.py runs every chapter once, in the background
+# beside the other tests (the site's browser test builds from that run); solutions/ run
+# under nbval. llama.cpp is built first (once: `make llamacpp` below), and the tests that
+# run qlab's GGUF files in it must run (QLAB_LLAMACPP=require)
+test: setup llamacpp
+	QLAB_LLAMACPP=require $(BIN)/python -m pytest tests solutions $(PYTEST_NB)
 
 # the inner loop: every test not marked slow (no notebook runs, no builds), about 2 minutes
 test-fast: setup
@@ -48,9 +51,9 @@ bench: setup
 clean:
 	rm -rf $(VENV)
 
-# Optional: llama.cpp itself (llama-cpp-python, the extra `llamacpp`), to run chapter 15's
-# GGUF files in it and test them there (tests/gguf/test_gguf_llamacpp_{runtime,tinylm,
-# quantize}.py). PyPI has only its source, so pip compiles llama.cpp (needs g++; cmake and
+# llama.cpp itself (llama-cpp-python, the extra `llamacpp`), to run chapter 15's GGUF files
+# in it and test them there (tests/gguf/test_gguf_llamacpp_{runtime,tinylm,quantize}.py):
+# optional for learners, built by `make test`. PyPI has only its source, so pip compiles llama.cpp (needs g++; cmake and
 # ninja come from PyPI): the library alone, without llava, server, tools, examples or tests,
 # and without llama.cpp's common/ library and cpp-httplib, which llama-cpp-python would build
 # for llama.cpp's tools (cmake/llamacpp-lib-only.cmake says how). pip keeps the built wheel
@@ -69,23 +72,24 @@ $(LLAMACPP_STAMP): $(STAMP)
 	  -e ".[llamacpp]"
 	touch $(LLAMACPP_STAMP)
 
-# The tests that run llama.cpp itself (they fail here if it is missing; `make test` skips
-# them without it: its cold build and these tests, about 6 minutes on two idle cores, do not
-# fit beside the rest, about 21 minutes, in CI's 30 with a safe margin).
+# Only the tests that run llama.cpp itself (`make test` runs them with the rest; without
+# QLAB_LLAMACPP=require, e.g. a plain `pytest`, they skip where llama.cpp is missing).
 .PHONY: test-llamacpp
 test-llamacpp: llamacpp
 	QLAB_LLAMACPP=require $(BIN)/python -m pytest tests/gguf/test_gguf_llamacpp_runtime.py \
 	  tests/gguf/test_gguf_llamacpp_tinylm.py tests/gguf/test_gguf_llamacpp_quantize.py
 
 # Debian/Ubuntu system tools the tests use: chromium (browser tests), bubblewrap
-# (`qlab grade` sandboxes each student kernel with bwrap) and gcc (tests/gguf compiles
-# llama.cpp's quantizer as an oracle). Needs root or sudo.
+# (`qlab grade` sandboxes each student kernel with bwrap), gcc (tests/gguf compiles
+# llama.cpp's quantizer as an oracle) and g++ (`make llamacpp` compiles llama.cpp). Needs
+# root or sudo.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 system-deps:
 	@if ! command -v chromium >/dev/null 2>&1 || ! command -v bwrap >/dev/null 2>&1 || \
-	    ! command -v gcc >/dev/null 2>&1; then \
+	    ! command -v gcc >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium bubblewrap gcc >/dev/null; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium bubblewrap gcc g++ \
+	    >/dev/null; \
 	fi
 
 # The course as a static website in site/ (docs/SITE.md): executes every notebook with

@@ -81,8 +81,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
-    # the modules whose class of submissions is graded in the background go last
-    items.sort(key=lambda item: _class_run(item) is not None)
+    # what runs in the background goes last, to wait for it: the chapters (below), then the
+    # site's browser test that builds from them, then the modules whose class of
+    # submissions is graded in the background (the tests keep their order otherwise)
+    items.sort(key=_place)
+
+
+def _place(item) -> int:
+    if _chapter_path(item) is not None:
+        return 1
+    if item.nodeid.startswith(SITE_BROWSER):
+        return 2
+    return 3 if _class_run(item) is not None else 0
+
+
+# tests/notebooks/test_chapters.py executes every chapter in the background (CHAPTER_RUN),
+# started once the session's tests are collected: one kernel at a time with one torch
+# thread beside the other tests (mostly single-threaded: the second core is otherwise
+# idle), every usable CPU when only chapters are selected. The site's browser test builds
+# from the executed chapters, so it runs after their tests.
+_CHAPTERS = pytest.StashKey[object]()  # the session's CHAPTER_RUN, once started
+CHAPTER_TEST = "tests/notebooks/test_chapters.py::test_chapter_runs_top_to_bottom"
+SITE_BROWSER = "tests/site/test_site_browser.py"
+
+
+def _chapter_path(item):
+    if not item.nodeid.startswith(CHAPTER_TEST):
+        return None
+    return getattr(item, "callspec", None) and item.callspec.params["path"]
+
+
+def _start_chapter_run(session) -> None:
+    paths = [p for p in map(_chapter_path, session.items) if p is not None]
+    if not paths:
+        return
+    from qlab._tensor import thread_count, usable_cpus
+
+    run = next(i for i in session.items if _chapter_path(i) is not None).module.CHAPTER_RUN
+    session.config.stash[_CHAPTERS] = run
+    if len(paths) < len(session.items):  # beside other tests
+        run.start(paths, jobs=1, threads=1)
+    else:
+        jobs = min(len(paths), usable_cpus())
+        run.start(paths, jobs=jobs, threads=max(1, thread_count() // jobs))
 
 
 # A test module with CLASS_RUN (tests/grading/grading_bank.py ClassRun: a `qlab grade` run
@@ -102,6 +143,7 @@ def _class_run(item):
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
+    _start_chapter_run(session)
     runs = []
     for item in session.items:
         run = _class_run(item)
@@ -126,3 +168,14 @@ def pytest_collection_finish(session):
 def pytest_unconfigure(config):
     for run in config.stash.get(_RUNS, []):
         run.stop()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Each chapter's own execution time: --durations shows how long its test waited."""
+    run = config.stash.get(_CHAPTERS, None)
+    if run is None or not run.seconds or getattr(run, "reported", False):
+        return  # (the hook can be called twice in one session: print once)
+    run.reported = True
+    terminalreporter.section("chapters executed in the background, slowest first")
+    for path, seconds in sorted(run.seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:7.1f}s  {path.stem}")

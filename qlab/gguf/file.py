@@ -128,12 +128,32 @@ def _check_magic(path: Path) -> int:
     return size
 
 
-def read(path: str | os.PathLike) -> gguf.GGUFReader:
-    """gguf.GGUFReader on path, with the reader's failures turned into clear GGUFErrors."""
+class _Reader(gguf.GGUFReader):
+    """gguf.GGUFReader parsing a plain ndarray view of its memory map (the same bytes, still
+    mapped, read-only). The reader slices its bytes once per value: MiniLM's 30522 tokens are
+    about 550k slices, and a slice of an np.memmap pays numpy's memmap bookkeeping
+    (memmap.__array_finalize__) each time: more than half of the parse (measured on a MiniLM
+    llama.cpp file, 1 core: 1.0 s over the memmap, 0.4 s over the view)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._bytes
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:  # GGUFReader.__init__ sets np.memmap(path)
+        self._bytes = mapped.view(np.ndarray)
+
+
+def read(path: str | os.PathLike | gguf.GGUFReader) -> gguf.GGUFReader:
+    """gguf.GGUFReader on path, with the reader's failures turned into clear GGUFErrors.
+    A reader is returned as it is, so that load(r), metadata(r) and tensor_table(r) with
+    r = read(path) parse the file once."""
+    if isinstance(path, gguf.GGUFReader):
+        return path
     path = Path(path)
     size = _check_magic(path)
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _Reader(str(path))
     except (ValueError, IndexError, KeyError, OverflowError, TypeError) as err:
         raise GGUFError(
             f"{path} ({size} bytes) could not be read as GGUF: {err}. The header or tensor "
@@ -150,7 +170,7 @@ def read(path: str | os.PathLike) -> gguf.GGUFReader:
     return reader
 
 
-def load(path: str | os.PathLike) -> dict[str, GGUFTensor]:
+def load(path: str | os.PathLike | gguf.GGUFReader) -> dict[str, GGUFTensor]:
     """Read a GGUF file into name -> GGUFTensor (QTensor-like: .dequantize(), .codes,
     .bits_per_element), in file order. The bytes are copied out of the file."""
     reader = read(path)
@@ -168,13 +188,13 @@ def load(path: str | os.PathLike) -> dict[str, GGUFTensor]:
     return out
 
 
-def metadata(path: str | os.PathLike) -> dict[str, object]:
+def metadata(path: str | os.PathLike | gguf.GGUFReader) -> dict[str, object]:
     """The key-value header of a GGUF file as plain Python values (strings, numbers, lists)."""
     reader = read(path)
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def tensor_table(path: str | os.PathLike) -> list[dict]:
+def tensor_table(path: str | os.PathLike | gguf.GGUFReader) -> list[dict]:
     """One row per tensor as the file lists it: name, type, GGUF dims (fastest first),
     elements, bytes, offset of its data in the file, and bits per weight."""
     reader = read(path)

@@ -3,7 +3,7 @@
     path = "minilm-Q4_K_M.gguf"
     written = export_llamacpp(minilm.load(), path, "Q4_K_M")   # name -> GGUFTensor
     llm = llama_cpp.Llama(path, embedding=True)                  # llama-cpp-python
-    e = llm.embed(["a sentence"], normalize=True)                # as MiniLM.embed
+    e = llm.embed(["a sentence"], normalize=True)  # as MiniLM.embed, for texts of <= 256 tokens
 
 TinyLM goes to llama.cpp's `gpt2` the same way (export_llamacpp(quality.load_model(), path,
 "Q4_K_M"); LlamaCppLM(path).logits(windows)): see the section "TinyLM as gpt2" below.
@@ -379,8 +379,9 @@ def _export_tinylm(
 INSTALL_HINT = (
     "llama-cpp-python is not installed: build it once with `make llamacpp` (or "
     "`pip install -e .[llamacpp]`): pip compiles llama.cpp from source (measured on two idle "
-    "cores: 2.5 minutes with the Makefile's flags, 6 without; pip caches the wheel for "
-    "later installs)"
+    "cores: 2.5 minutes with the Makefile's flags; without them pip also compiles llama.cpp's "
+    "common/ library, cpp-httplib and libmtmd, more than twice the compile units, so expect "
+    "longer; pip caches the wheel for later installs)"
 )
 
 

@@ -2,7 +2,8 @@
 
 A name like Q4_K_M is a file type ("ftype"), not a tensor type: it gives each tensor a type
 by its role and layer. This follows llama_tensor_get_type in llama.cpp's src/llama-quant.cpp
-(read at commit 007dbbf) for a dense model with no grouped-query attention and no experts:
+(read at ggml-org/llama.cpp@0c1e57098, the version llama-cpp-python 0.3.36
+vendors) for a dense model with no grouped-query attention and no experts:
 
   * base type: Q3_K for Q3_K_*, Q4_K for Q4_K_*, Q5_K for Q5_K_*, Q6_K, or a legacy type.
   * output head (or the token embedding when it is tied to the head, as in TinyLM): Q6_K,

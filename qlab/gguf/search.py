@@ -31,6 +31,7 @@ from qlab.gguf._ggml import (
     first_absmax,
     first_min,
     nearest_int,
+    seq_sum,
     sum_from_zero,
 )
 
@@ -51,10 +52,12 @@ def make_qx_quants(
     zero = amax < GROUP_MAX_EPS
     m = torch.where(zero, torch.ones_like(signed_max), signed_max)
     w = x * x if weights is None else weights
+    xt, wxt, wt = _columns(x), _columns(w * x), _columns(w)  # shape: (n, N)
 
-    def trial(iscale: torch.Tensor):
-        lv = torch.clamp(nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
-        return lv, *_weighted_sums(w, x, lv.to(torch.float32))
+    def trial(iscale: torch.Tensor):  # _weighted_sums on the columns: (w*x)*l, (w*l)*l
+        lv = torch.clamp(nearest_int(iscale * xt), -nmax, nmax - 1)
+        lf = lv.to(torch.float32)
+        return lv, sum_from_zero((wxt * lf).T), sum_from_zero(((wt * lf) * lf).T)
 
     lv, sumlx, suml2 = trial(div(-float(nmax), m))
     scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros_like(suml2))
@@ -65,11 +68,21 @@ def make_qx_quants(
             continue
         lv, sumlx, suml2 = trial(div(-f32(nmax + f32(f32(0.1) * i)), m))
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        best_l = torch.where(better[:, None], lv, best_l)
+        best_l = torch.where(better, lv, best_l)
         scale = torch.where(better, sumlx / suml2, scale)
         best = torch.where(better, scale * sumlx, best)
-    best_l = torch.where(zero[:, None], torch.full_like(best_l, -nmax), best_l)
-    return torch.where(zero, torch.zeros_like(scale), scale), best_l + nmax
+    best_l = torch.where(zero, torch.full_like(best_l, -nmax), best_l)
+    return torch.where(zero, torch.zeros_like(scale), scale), (best_l + nmax).T.contiguous()
+
+
+def _columns(x: torch.Tensor) -> torch.Tensor:
+    """(N, n) groups -> (n, N), contiguous: element i of every group in one row, so that the
+    searches' elementwise steps broadcast a per-group value (N,) over the rows and C's sums
+    over a group (sum_from_zero(t.T)) add whole contiguous rows, with no copy per sum. The
+    same float operations as on (N, n), so the same bits, in about half the time (measured,
+    1 core, 36864 groups of 32: make_qkx with 37 trials 2.0 s -> 1.0 s, make_qx_quants
+    0.6 s -> 0.33 s)."""
+    return x.T.contiguous()
 
 
 def _refine(x, w, L, sumlx, suml2, lo: int, hi: int, need_sl2: bool):
@@ -134,27 +147,25 @@ def make_qkx(
     lo = torch.where(lo > 0, torch.zeros_like(lo), lo)  # C: `if (min > 0) min = 0;` keeps -0.0
     hi = x.amax(dim=1)
     flat = hi == lo  # C: L = 0, the_min = -min, scale 0
-    sum_w = w[:, 0].clone()
-    sum_x = sum_w * x[:, 0]
-    for i in range(1, x.shape[1]):
-        sum_w = sum_w + w[:, i]
-        sum_x = sum_x + w[:, i] * x[:, i]
+    xt, wt = _columns(x), _columns(w)  # shape: (n, N); a (N,) value broadcasts over rows
+    sum_w, sum_x = seq_sum(wt.T), seq_sum((wt * xt).T)  # C: from w[0] and w[0] * x[0]
     span = torch.where(flat, torch.ones_like(hi), hi - lo)  # flat groups: any nonzero span
     iscale = div(float(nmax), span)
     scale = div(1.0, iscale)
-    L = torch.clamp(nearest_int(iscale[:, None] * (x - lo[:, None])), 0, nmax)
-    diff = (scale[:, None] * L.to(torch.float32) + lo[:, None]) - x
-    best = sum_from_zero(w * (diff * diff))
+    L = torch.clamp(nearest_int(iscale * (xt - lo)), 0, nmax)
+    diff = (scale * L.to(torch.float32) + lo) - xt
+    best = sum_from_zero((wt * (diff * diff)).T)
     mn = lo
     for step in range(nstep + 1):
         grid = f32(f32(f32(rmin) + f32(f32(rdelta) * step)) + nmax)
         trial_iscale = div(grid, torch.where(flat, torch.ones_like(hi), hi - mn))
-        v = trial_iscale[:, None] * (x - mn[:, None])
+        v = trial_iscale * (xt - mn)
         lv = torch.clamp(nearest_int(v), 0, nmax)
         lf = lv.to(torch.float32)
-        sum_l = sum_from_zero(w * lf)
-        sum_l2 = sum_from_zero((w * lf) * lf)
-        sum_xl = sum_from_zero((w * lf) * x)
+        wl = wt * lf
+        sum_l = sum_from_zero(wl.T)
+        sum_l2 = sum_from_zero((wl * lf).T)
+        sum_xl = sum_from_zero((wl * xt).T)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         safe_D = torch.where(ok, D, torch.ones_like(D))
@@ -163,14 +174,14 @@ def make_qkx(
         pos = this_min > 0
         this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
         this_scale = torch.where(pos, sum_xl / sum_l2, this_scale)
-        d2 = (this_scale[:, None] * lf + this_min[:, None]) - x
-        err = sum_from_zero(w * (d2 * d2))
+        d2 = (this_scale * lf + this_min) - xt
+        err = sum_from_zero((wt * (d2 * d2)).T)
         better = ok & (err < best) & ~flat
-        L = torch.where(better[:, None], lv, L)
+        L = torch.where(better, lv, L)
         best = torch.where(better, err, best)
         scale = torch.where(better, this_scale, scale)
         mn = torch.where(better, this_min, mn)
-    L = torch.where(flat[:, None], torch.zeros_like(L), L)
+    L = torch.where(flat, torch.zeros_like(L), L).T.contiguous()
     return torch.where(flat, torch.zeros_like(scale), scale), -mn, L
 
 

@@ -15,8 +15,8 @@ time (``qlab.kv.decode_logits``: its cache depends on the sequence length); the 
 take one full forward pass, which reads the values their cache would store (qlab.kv's
 docstring; tests/test_widgets.py checks it against decoding). Each scheme is measured the
 first time it is picked and kept: on the default 8 windows of 256 bytes that costs
-0.7-0.9 s of CPU for a scheme without a window and 6-8 s for a kivi scheme (measured on
-a busy 2-core machine, one thread); picking it again, 0.03 s.
+0.5-0.9 s of CPU for a scheme without a window and 5.5-6.5 s for a kivi scheme (measured
+on a busy 2-core machine, one thread); picking it again, 0.03 s.
 
 ``KVErrors`` holds the logic (plain data, testable without a browser);
 ``KVCacheExplorer`` displays it; ``kv_explorer()`` is what a notebook cell calls.
@@ -57,7 +57,7 @@ def describe_scheme(scheme: str | kv.KVScheme) -> str:
     elif s.static is not None:
         parts.append(f"{s.element}, one calibrated scale per {s.static} (static)")
     else:
-        per = "one scale per token" if s.group is None else f"groups of {s.group} channels"
+        per = "one scale per token and head" if s.group is None else f"groups of {s.group} channels"
         if s.key_axis == "channel":
             parts.append(f"{s.element}, keys per channel (chunks of {s.group} tokens), "
                          f"values per token ({per})")

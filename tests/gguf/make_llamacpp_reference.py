@@ -129,11 +129,10 @@ def library(cache: Path = CACHE) -> ctypes.CDLL:
 def llama_cpp_or_skip():
     """The llama_cpp module (llama-cpp-python) for the tests that run llama.cpp itself.
 
-    `make test-llamacpp` builds it (`make llamacpp`) and runs these tests with
-    QLAB_LLAMACPP=require, where a missing module FAILS. Elsewhere, `make test` and CI
-    included, they skip without it: a cold build of llama.cpp takes 2 min 25 s on two idle
-    cores (268 s of CPU, measured, with the Makefile's flags), and the tests 3 min 45 s,
-    which do not fit in CI's 30-minute budget beside the rest with a safe margin."""
+    `make test` (and so CI) and `make test-llamacpp` build it (`make llamacpp`: a cold
+    build takes 2 min 25 s on two idle cores, 268 s of CPU, measured, with the Makefile's
+    flags) and run these tests with QLAB_LLAMACPP=require, where a missing module FAILS.
+    Elsewhere (a plain `pytest`) they skip without it."""
     import pytest  # only the tests call this
 
     try:

@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 import qlab.gguf as G
-from qlab.gguf.llamacpp import llamacpp_name
+from qlab.gguf.llamacpp import llamacpp_name, tinylm_llamacpp_name
 from qlab.gguf.recipes import fallback, is_quantized
 from qlab.lm import minilm, quality
+from qlab.lm.data import eval_windows, load_splits
 from qlab.lm.retrieval import calibration_texts
 
 RECIPES = ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K_S", "Q3_K_M", "Q3_K_L",
@@ -34,7 +35,8 @@ RECIPES = ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K_S", "Q3_K_M", "Q
 PURE = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "Q6_K": "Q6_K"}  # type: ftype
 WITH_IMATRIX = ["Q4_0", "Q5_1", "Q3_K_S", "Q4_K_M", "Q6_K"]
 TINYLM_RECIPES = ["Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
-                  "Q8_0"]  # chapter 15's RECIPES  # fmt: skip
+                  "Q8_0", "Q4_0"]  # chapter 15's RECIPES, and Q4_0 (its section 5)  # fmt: skip
+TINYLM_WITH_IMATRIX = ["Q3_K_S", "Q4_0", "Q4_K_M"]  # chapter 15's section 5
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +45,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def f32_file(model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("llamacpp-quant") / "minilm-F32.gguf"
-    G.export_llamacpp(model, path, "F32")
-    return path
-
-
-@pytest.fixture(scope="module")
-def tinylm_f32(tmp_path_factory):
-    """TinyLM and its F32 file in llama.cpp's gpt2 architecture."""
-    tinylm = quality.load_model()
-    path = tmp_path_factory.mktemp("llamacpp-quant") / "tinylm-F32.gguf"
-    G.export_llamacpp(tinylm, path, "F32")
-    return tinylm, path
+def f32_file(llamacpp_export):
+    return llamacpp_export("minilm", "F32")[0]
 
 
 @pytest.fixture(scope="module")
@@ -104,17 +95,13 @@ def differences(theirs: dict, ours: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize(("which", "recipe"), [("minilm", r) for r in RECIPES]
                          + [("tinylm", r) for r in TINYLM_RECIPES])  # fmt: skip
-def test_llama_quantize_writes_qlab_s_bytes(llama_cpp, request, tmp_path, which, recipe):
-    if which == "minilm":
-        model, f32_file = request.getfixturevalue("model"), request.getfixturevalue("f32_file")
-    else:
-        model, f32_file = request.getfixturevalue("tinylm_f32")
+def test_llama_quantize_writes_qlab_s_bytes(llama_cpp, llamacpp_export, tmp_path, which, recipe):
     dst = tmp_path / f"llama-{recipe}.gguf"
-    llama_quantize(llama_cpp, f32_file, dst, recipe)
-    ours = G.export_llamacpp(model, tmp_path / f"qlab-{recipe}.gguf", recipe)
-    assert differences(G.load(dst), ours) == {}
-    assert G.metadata(dst)["general.file_type"] == G.metadata(tmp_path / f"qlab-{recipe}.gguf")[
-        "general.file_type"]  # fmt: skip
+    llama_quantize(llama_cpp, llamacpp_export(which, "F32")[0], dst, recipe)
+    path, ours = llamacpp_export(which, recipe)  # qlab's file: export_llamacpp(model, recipe)
+    theirs = G.read(dst)  # parsed once (MiniLM's 30522-token vocabulary) for both below
+    assert differences(G.load(theirs), ours) == {}
+    assert G.metadata(theirs)["general.file_type"] == G.metadata(path)["general.file_type"]
 
 
 @pytest.mark.parametrize("ggml_type", list(PURE))
@@ -132,12 +119,30 @@ def test_pure_k_quants_fall_back_on_384_columns(llama_cpp, model, f32_file, tmp_
 
 
 @pytest.mark.parametrize("recipe", WITH_IMATRIX)
-def test_with_an_importance_matrix(llama_cpp, model, f32_file, imatrix, tmp_path, recipe):
+def test_with_an_importance_matrix(llama_cpp, model, f32_file, imatrix, llamacpp_export,
+                                   tmp_path, recipe):  # fmt: skip
     dst = tmp_path / f"llama-{recipe}-imatrix.gguf"
     named = {llamacpp_name(k): v for k, v in imatrix.items()}
     llama_quantize(llama_cpp, f32_file, dst, recipe, imatrix=named)
     ours = G.export_llamacpp(model, tmp_path / "qlab.gguf", recipe, imatrix=imatrix)
     assert differences(G.load(dst), ours) == {}
-    plain = G.export_llamacpp(model, tmp_path / "plain.gguf", recipe)
+    _, plain = llamacpp_export("minilm", recipe)  # the same recipe without the imatrix
     changed = [k for k in ours if not np.array_equal(ours[k].data.numpy(), plain[k].data.numpy())]
     assert changed  # the imatrix did change the rounding (Q8_0 tensors ignore it)
+
+
+@pytest.mark.parametrize("recipe", TINYLM_WITH_IMATRIX)
+def test_tinylm_with_chapter_15s_importance_matrix(llama_cpp, llamacpp_export, tmp_path, recipe):
+    """Chapter 15's imatrix files of TinyLM (its section 5: training text, 16 x 256 bytes),
+    written by llama.cpp's quantizer and by qlab: the same bytes. TinyLM's q, k and v read
+    the same input, so llama.cpp's fused attn_qkv gets that input's imatrix."""
+    model = quality.load_model()
+    calibration = eval_windows(load_splits()[0], 16, 256)[:, :-1]
+    imatrix = G.importance(model, calibration)
+    named = {tinylm_llamacpp_name(k): v for k, v in imatrix.items()}
+    dst = tmp_path / f"llama-{recipe}-imatrix.gguf"
+    llama_quantize(llama_cpp, llamacpp_export("tinylm", "F32")[0], dst, recipe, imatrix=named)
+    ours = G.export_llamacpp(model, tmp_path / "qlab.gguf", recipe, imatrix=imatrix)
+    assert differences(G.load(dst), ours) == {}
+    _, plain = llamacpp_export("tinylm", recipe)  # the same recipe without the imatrix
+    assert any(not np.array_equal(ours[k].data.numpy(), plain[k].data.numpy()) for k in ours)

@@ -28,7 +28,7 @@ from torch import nn
 import qlab.gguf as G
 from qlab.gguf.llamacpp import LlamaCppEncoder, qlab_names
 from qlab.lm import minilm
-from qlab.lm.retrieval import DOC_MAX_TOKENS, RetrievalTask
+from qlab.lm.retrieval import DOC_MAX_TOKENS, RetrievalResult, RetrievalTask
 
 # the smallest per-text cosine to qlab's forward on the same weights, over the 128 texts of
 # chapter 12's retrieval task; measured (1 thread): F32 0.9999975, F16 0.9999979,
@@ -47,13 +47,9 @@ def task():
 
 
 @pytest.fixture(scope="module")
-def files(model, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llamacpp-run")
-    out = {}
-    for types in BOUND:
-        path = folder / f"minilm-{types}.gguf"
-        out[types] = (path, G.export_llamacpp(model, path, types))
-    return out
+def files(llamacpp_export):
+    """types -> (path, written): G.export_llamacpp(model, path, types) (tests/gguf/conftest.py)."""
+    return {types: llamacpp_export("minilm", types) for types in BOUND}
 
 
 def _encoders(llama_cpp, files) -> dict[str, LlamaCppEncoder]:
@@ -63,6 +59,23 @@ def _encoders(llama_cpp, files) -> dict[str, LlamaCppEncoder]:
 @pytest.fixture(scope="module")
 def encoders(llama_cpp, files):
     return _encoders(llama_cpp, files)
+
+
+@pytest.fixture(scope="module")
+def evaluated(encoders, model, files, task):  # encoders first: skips without llama.cpp
+    """evaluated(types) -> (qlab's, llama.cpp's) RetrievalResult of chapter 12's task, the
+    second paired with the first; their .embeddings are the 128 texts' (truncated to
+    DOC_MAX_TOKENS). Computed once per type for the agreement, activation and retrieval tests
+    (llama.cpp embeds each text in its own llama_decode: a row does not depend on the others)."""
+    done = {}
+
+    def evaluate(types: str) -> tuple[RetrievalResult, RetrievalResult]:
+        if types not in done:
+            ours = task.evaluate(G.dequantized_model(model, qlab_names(files[types][1])))
+            done[types] = ours, task.evaluate(encoders[types], ours)
+        return done[types]
+
+    return evaluate
 
 
 def test_llama_cpp_tokenizes_like_minilm(encoders, task):
@@ -84,10 +97,9 @@ def test_embed_of_no_texts_has_minilm_s_shape(model, encoders):
 
 
 @pytest.mark.parametrize("types", list(BOUND))
-def test_embeddings_agree_with_qlab_forward(model, files, encoders, task, types):
-    path, written = files[types]
-    ours = G.dequantized_model(model, qlab_names(written)).embed(task.texts, max_length=64)
-    theirs = encoders[types].embed(task.texts, max_length=64)
+def test_embeddings_agree_with_qlab_forward(evaluated, task, types):
+    ours, theirs = (r.embeddings for r in evaluated(types))
+    assert ours.shape == theirs.shape == (len(task.texts), 384)
     cos = (ours.double() * theirs.double()).sum(dim=1)
     print(f"{types}: cosine to qlab's forward min {cos.min():.7f} mean {cos.mean():.7f}")
     assert float(cos.min()) >= BOUND[types]
@@ -107,12 +119,12 @@ class _Q8Input(nn.Module):
 
 
 @pytest.mark.parametrize("types", ["Q8_0", "Q4_0"])
-def test_activation_quantization_explains_the_gap(model, files, encoders, task, types):
+def test_activation_quantization_explains_the_gap(evaluated, model, files, task, types):
     _, written = files[types]
     plain = G.dequantized_model(model, qlab_names(written))
     q8 = minilm.swap_linears(plain, {n: _Q8Input(m) for n, m in plain.linear_layers().items()})
     texts = task.texts[:32]
-    theirs = encoders[types].embed(texts, max_length=64).double()
+    theirs = evaluated(types)[1].embeddings[:32].double()  # llama.cpp's, max_length 64
 
     def gap(m: nn.Module) -> float:  # mean (1 - cosine) to llama.cpp
         return float((1 - (m.embed(texts, max_length=64).double() * theirs).sum(1)).mean())
@@ -123,12 +135,10 @@ def test_activation_quantization_explains_the_gap(model, files, encoders, task, 
 
 
 @pytest.mark.parametrize("types", ["F16", "Q4_K_M"])
-def test_retrieval_through_llama_cpp(model, files, encoders, task, types):
+def test_retrieval_through_llama_cpp(evaluated, types):
     """Chapter 12's recall@1 through llama.cpp lies inside the 95 % bootstrap interval of
     qlab's (same weights), and the paired change's interval contains 0."""
-    _, written = files[types]
-    ours = task.evaluate(G.dequantized_model(model, qlab_names(written)))
-    theirs = task.evaluate(encoders[types], ours)
+    ours, theirs = evaluated(types)  # task.evaluate(qlab's model), task.evaluate(llama.cpp, ours)
     print(f"{types}: qlab {ours.row()}\n{types}: llama.cpp {theirs.row()}")
     lo, hi = ours.recall_ci
     assert lo <= theirs.recall_at_1 <= hi

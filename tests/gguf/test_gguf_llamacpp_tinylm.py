@@ -48,13 +48,9 @@ def windows():
 
 
 @pytest.fixture(scope="module")
-def files(model, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llamacpp-tinylm")
-    out = {}
-    for types in ("F32", "F16", "Q4_K_M"):
-        path = folder / f"tinylm-{types}.gguf"
-        out[types] = (path, G.export_llamacpp(model, path, types))
-    return out
+def files(llamacpp_export):
+    """types -> (path, written): G.export_llamacpp(model, path, types) (tests/gguf/conftest.py)."""
+    return {types: llamacpp_export("tinylm", types) for types in ("F32", "F16", "Q4_K_M")}
 
 
 def test_names_biases_and_inverse(model, files):

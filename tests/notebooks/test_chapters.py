@@ -5,10 +5,19 @@ notebooks/, a 300 s cell timeout, the static-widget extension loaded), which che
 `pytest --nbval-lax notebooks` checks: no cell raises. A failure names the chapter, the
 cell and the error. Each executed chapter is kept for the site's browser test
 (tests/site), so CI executes the chapters once, not twice.
+
+The chapters execute in the background (CHAPTER_RUN, started by tests/conftest.py once the
+session's tests are collected): one kernel at a time with one torch thread beside the other
+tests, which are mostly single-threaded, or all usable CPUs when only chapters are selected.
+Their tests go to the end of the session and wait for their chapter; the session's summary
+lists each chapter's own execution time.
 """
 
 import importlib.util
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -22,6 +31,58 @@ _spec.loader.exec_module(site_build)
 CHAPTERS = site_build.numbered(REPO / "notebooks", None)
 
 
+class ChapterRun:
+    """Chapters executed in a background thread pool; ``result(path)`` waits for one."""
+
+    def __init__(self) -> None:
+        self.done: dict[Path, threading.Event] = {}
+        self.results: dict[Path, nbformat.NotebookNode | site_build.BuildError] = {}
+        self.seconds: dict[Path, float] = {}
+        self._lock = threading.Lock()
+
+    def start(self, paths: list[Path], jobs: int, threads: int | None) -> None:
+        """Execute ``paths`` (those not started yet), ``jobs`` kernels at a time, each with
+        ``threads`` torch threads (None: the policy's count)."""
+        with self._lock:
+            paths = [p for p in paths if p not in self.done]
+            for path in paths:
+                self.done[path] = threading.Event()
+        if not paths:
+            return
+
+        def run(path: Path) -> None:
+            start = time.monotonic()
+            try:
+                self.results[path] = site_build.execute(path, threads=threads)
+            except site_build.BuildError as e:
+                self.results[path] = e
+            finally:
+                self.seconds[path] = time.monotonic() - start
+                self.done[path].set()
+
+        pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="chapter-run")
+        for path in paths:
+            pool.submit(run, path)
+        pool.shutdown(wait=False)
+
+    def result(self, path: Path) -> nbformat.NotebookNode:
+        """The executed chapter (executed now, if nothing started it); BuildError if it failed."""
+        self.start([path], 1, None)
+        self.done[path].wait()
+        result = self.results[path]
+        if isinstance(result, site_build.BuildError):
+            raise result
+        return result
+
+    def wait(self) -> None:
+        """Until every chapter started has finished."""
+        for event in list(self.done.values()):
+            event.wait()
+
+
+CHAPTER_RUN = ChapterRun()
+
+
 def test_every_chapter_is_collected():
     assert len(CHAPTERS) >= 16 and CHAPTERS[0].name == "00_why_quantization.ipynb"
 
@@ -29,7 +90,7 @@ def test_every_chapter_is_collected():
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_runs_top_to_bottom(path, executed_chapters):
     try:
-        nb = site_build.execute(path)
+        nb = CHAPTER_RUN.result(path)
     except site_build.BuildError as e:
         pytest.fail(str(e), pytrace=False)
     nbformat.write(nb, executed_chapters / path.name)
