@@ -3,10 +3,11 @@ and importance-matrix encoders (gguf's Python package has numpy encoders for Q8_
 Q4_1, Q5_0 and Q5_1 only).
 
 `library()` builds it once and caches it in .cache/llamacpp/ (git-ignored): the
-llama-cpp-python source distribution from PyPI (llama.cpp vendored; `pip download`, the only
-download), of which only ggml/src/ggml-quants.c and the headers it includes are unpacked,
-compiled as a release build (-O2 -DNDEBUG) with -ffp-contract=off (strict IEEE float: no
-fused multiply-add, the arithmetic qlab reproduces) plus a four-function stub written here.
+llama-cpp-python source distribution from PyPI (llama.cpp vendored; the only download,
+checked against its sha256), of which only ggml/src/ggml-quants.c and the headers it
+includes are unpacked, compiled as a release build (-O2 -DNDEBUG) with -ffp-contract=off
+(strict IEEE float: no fused multiply-add, the arithmetic qlab reproduces) plus a
+four-function stub written here.
 It needs gcc and about 5 s of CPU. test_gguf_llamacpp.py runs it on fuzzed rows; the
 committed data/llamacpp_reference.npz (fixed rows, for machines without a compiler) is
 regenerated with
@@ -19,12 +20,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,8 @@ import numpy as np
 OUT = Path(__file__).parent / "data" / "llamacpp_reference.npz"
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp (ggml-quants.c)
 SDIST = f"llama-cpp-python=={VERSION}"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # PyPI's
+PYPI_SIMPLE = "https://pypi.org/simple"
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "llamacpp"  # git-ignored
 CFLAGS = ["-O2", "-DNDEBUG", "-ffp-contract=off", "-fPIC", "-shared"]
 # the only files of the 76 MB sdist the build reads: ggml-quants.c and its headers
@@ -96,15 +101,32 @@ def build(sdist: Path, work: Path) -> Path:
 
 
 def download_sdist(dest: Path) -> Path:
-    """The llama-cpp-python sdist, from PyPI through pip (kept in dest for the next run)."""
-    found = sorted(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
-    if found:
-        return found[0]
+    """The llama-cpp-python sdist (kept in dest for the next run): the file PyPI's simple
+    index lists, checked against SDIST_SHA256; where that fails (another index, no direct
+    access), through `pip download`, which also builds the sdist's metadata in an isolated
+    environment (a minute of CPU: why it is not the first choice)."""
+    name = f"llama_cpp_python-{VERSION}.tar.gz"
+    path = dest / name
+    if path.is_file():
+        return path
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", SDIST, "--no-deps",
-                    "--no-binary", ":all:", "-d", str(dest)],
-                   check=True, capture_output=True, text=True)  # fmt: skip
-    return next(dest.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
+    try:
+        accept = {"Accept": "application/vnd.pypi.simple.v1+json"}
+        index = urllib.request.Request(f"{PYPI_SIMPLE}/llama-cpp-python/", headers=accept)
+        with urllib.request.urlopen(index, timeout=60) as r:
+            url = next(f["url"] for f in json.load(r)["files"] if f["filename"] == name)
+        with urllib.request.urlopen(url, timeout=600) as r:
+            data = r.read()
+        if hashlib.sha256(data).hexdigest() != SDIST_SHA256:
+            raise OSError(f"{url}: sha256 differs from SDIST_SHA256")
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    except (OSError, ValueError, KeyError, StopIteration):
+        subprocess.run([sys.executable, "-m", "pip", "download", SDIST, "--no-deps",
+                        "--no-binary", ":all:", "-d", str(dest)],
+                       check=True, capture_output=True, text=True)  # fmt: skip
+    return path
 
 
 def library(cache: Path = CACHE) -> ctypes.CDLL:
