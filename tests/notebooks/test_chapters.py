@@ -17,7 +17,6 @@ import importlib.util
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -60,10 +59,19 @@ class ChapterRun:
                 self.seconds[path] = time.monotonic() - start
                 self.done[path].set()
 
-        pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="chapter-run")
-        for path in paths:
-            pool.submit(run, path)
-        pool.shutdown(wait=False)
+        def worker() -> None:  # takes the next chapter until none is left
+            while True:
+                with self._lock:
+                    if not paths:
+                        return
+                    path = paths.pop(0)
+                run(path)
+
+        # daemon threads: a session that ends early (-x, Ctrl+C) does not wait for the
+        # chapters still queued, and their kernels end with this process (ipykernel
+        # watches its parent)
+        for _ in range(jobs):
+            threading.Thread(target=worker, daemon=True, name="chapter-run").start()
 
     def result(self, path: Path) -> nbformat.NotebookNode:
         """The executed chapter (executed now, if nothing started it); BuildError if it failed."""
