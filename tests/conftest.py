@@ -173,7 +173,7 @@ def pytest_unconfigure(config):
 def pytest_terminal_summary(terminalreporter, config):
     """Each chapter's own execution time: --durations shows how long its test waited."""
     run = config.stash.get(_CHAPTERS, None)
-    if run is None or not run.seconds or getattr(run, "reported", False):
+    if run is None or not run.seconds or run.reported:
         return  # (the hook can be called twice in one session: print once)
     run.reported = True
     terminalreporter.section("chapters executed in the background, slowest first")

@@ -37,6 +37,7 @@ class ChapterRun:
         self.done: dict[Path, threading.Event] = {}
         self.results: dict[Path, nbformat.NotebookNode | site_build.BuildError] = {}
         self.seconds: dict[Path, float] = {}
+        self.reported = False  # the session's summary printed its times
         self._lock = threading.Lock()
 
     def start(self, paths: list[Path], jobs: int, threads: int | None) -> None:
