@@ -8,6 +8,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qlab-installed
 PYTEST_NB := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
+# one worker per usable CPU (pytest-xdist); tests/conftest.py says what goes to a worker whole
+PYTEST_N := -n auto
 # Optional: a package index for torch alone, e.g. PyTorch's CPU-only index on a laptop
 # (on Linux, PyPI's torch is the multi-GB CUDA build): make lab TORCH_INDEX=<url>
 TORCH_INDEX ?=
@@ -38,11 +40,11 @@ lab: setup
 # under nbval. llama.cpp is built first (once: `make llamacpp` below), and the tests that
 # run qlab's GGUF files in it must run (QLAB_LLAMACPP=require)
 test: setup llamacpp
-	QLAB_LLAMACPP=require $(BIN)/python -m pytest tests solutions $(PYTEST_NB)
+	QLAB_LLAMACPP=require $(BIN)/python -m pytest $(PYTEST_N) tests solutions $(PYTEST_NB)
 
 # the inner loop: every test not marked slow (no notebook runs, no builds), about 2 minutes
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m pytest $(PYTEST_N) tests -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_quantize.py

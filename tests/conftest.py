@@ -7,7 +7,9 @@ torch uses the CPUs this process may use (`import qlab` applies it). A value the
 set in the environment wins.
 """
 
+import functools
 import os
+import re
 import threading
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
@@ -85,6 +87,60 @@ def pytest_collection_modifyitems(config, items):
     # site's browser test that builds from them, then the modules whose class of
     # submissions is graded in the background (the tests keep their order otherwise)
     items.sort(key=_place)
+    if WORKER:  # pytest -n: what waits for the background first (see _unit)
+        items.sort(key=lambda item: _unit(item.nodeid) != BACKGROUND)
+
+
+# `make test` runs the suite in one worker per usable CPU (pytest-xdist, -n auto). A unit
+# of work goes to one worker whole (Units below): each test file is one (its module
+# fixtures computed once, a notebook's cells in order), except the tests that wait for
+# what runs in the background (the chapters, the site's browser test that builds from
+# them, the modules that grade a class), which are one unit together, handed out first
+# and started by its first test (pytest_runtest_setup): while that worker's background
+# kernels and class runs work, the other workers take the test files, in collection order.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process is a worker of `pytest -n`
+BACKGROUND = "background"  # the unit of the tests that wait for the background
+ROOT = Path(__file__).resolve().parents[1]  # node ids are relative to it
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work of a test under pytest -n: BACKGROUND or its file."""
+    path = nodeid.split("::")[0]
+    if nodeid.startswith((CHAPTER_TEST, SITE_BROWSER)) or _grades_a_class(path):
+        return BACKGROUND
+    return path
+
+
+@functools.cache
+def _grades_a_class(path: str) -> bool:
+    """A test module that defines CLASS_RUN (tests/grading/grading_bank.py ClassRun)."""
+    file = ROOT / path
+    return file.suffix == ".py" and re.search(r"^CLASS_RUN = ", file.read_text(), re.M) is not None
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Units of work as _unit says, in collection order (pytest-xdist's --dist loadgroup
+    cannot group with pytest 9's node ids)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order: the background unit first
+    return Units(config, log)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """-n auto: the CPUs this process may use (affinity and cgroup quota), qlab's rule."""
+    from qlab._tensor import usable_cpus
+
+    return usable_cpus()
+
+
+def pytest_runtest_setup(item):
+    if WORKER and _unit(item.nodeid) == BACKGROUND:
+        _start_background(item.session)
 
 
 def _place(item) -> int:
@@ -100,7 +156,8 @@ def _place(item) -> int:
 # thread beside the other tests (mostly single-threaded: the second core is otherwise
 # idle), every usable CPU when only chapters are selected. The site's browser test builds
 # from the executed chapters, so it runs after their tests.
-_CHAPTERS = pytest.StashKey[object]()  # the session's CHAPTER_RUN, once started
+_SUMMARY = pytest.StashKey[bool]()  # the chapter times were printed
+CHAPTER_SECONDS = "chapter_seconds"  # the user property a chapter test records: (name, s)
 CHAPTER_TEST = "tests/notebooks/test_chapters.py::test_chapter_runs_top_to_bottom"
 SITE_BROWSER = "tests/site/test_site_browser.py"
 
@@ -118,7 +175,6 @@ def _start_chapter_run(session) -> None:
     from qlab._tensor import thread_count, usable_cpus
 
     run = next(i for i in session.items if _chapter_path(i) is not None).module.CHAPTER_RUN
-    session.config.stash[_CHAPTERS] = run
     if len(paths) < len(session.items):  # beside other tests
         run.start(paths, jobs=1, threads=1)
     else:
@@ -141,8 +197,15 @@ def _class_run(item):
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly:
+    if not session.config.option.collectonly and not WORKER:
+        _start_background(session)
+
+
+def _start_background(session) -> None:
+    """The chapter run and the class runs, once per session."""
+    if session.config.stash.get(_RUNS, None) is not None:
         return
+    session.config.stash[_RUNS] = []
     _start_chapter_run(session)
     runs = []
     for item in session.items:
@@ -171,11 +234,19 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """Each chapter's own execution time: --durations shows how long its test waited."""
-    run = config.stash.get(_CHAPTERS, None)
-    if run is None or not run.seconds or run.reported:
+    """Each chapter's own execution time (its test records it; --durations shows how long
+    the test waited), from this process or from the workers of pytest -n."""
+    if config.stash.get(_SUMMARY, False):
         return  # (the hook can be called twice in one session: print once)
-    run.reported = True
+    seconds = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == CHAPTER_SECONDS:
+                    seconds[report.nodeid] = value
+    if not seconds:
+        return
+    config.stash[_SUMMARY] = True
     terminalreporter.section("chapters executed in the background, slowest first")
-    for path, seconds in sorted(run.seconds.items(), key=lambda kv: -kv[1]):
-        terminalreporter.write_line(f"{seconds:7.1f}s  {path.stem}")
+    for name, value in sorted(seconds.values(), key=lambda nv: -nv[1]):
+        terminalreporter.write_line(f"{value:7.1f}s  {name}")

@@ -30,8 +30,12 @@ def test_make_test_runs_everything_and_test_fast_leaves_out_the_slow_tests():
     test = re.search(r"^test: setup llamacpp\n\t(.+)$", make, re.M).group(1)
     fast = re.search(r"^test-fast: setup\n\t(.+)$", make, re.M).group(1)
     # no -m, no -k; the llama.cpp tests must run (they fail, not skip, without llama.cpp)
-    assert test == "QLAB_LLAMACPP=require $(BIN)/python -m pytest tests solutions $(PYTEST_NB)"
-    assert fast.endswith('pytest tests -m "not slow"')
+    assert test == (
+        "QLAB_LLAMACPP=require $(BIN)/python -m pytest $(PYTEST_N) tests solutions $(PYTEST_NB)"
+    )
+    assert fast.endswith('pytest $(PYTEST_N) tests -m "not slow"')
+    # every usable CPU, a unit of work whole to one worker, in tests/conftest.py's order
+    assert re.search(r"^PYTEST_N := (.+)$", make, re.M).group(1) == "-n auto"
 
 
 def test_every_run_prints_its_slowest_tests_and_slow_is_registered():
@@ -42,10 +46,12 @@ def test_every_run_prints_its_slowest_tests_and_slow_is_registered():
     assert re.search(r'^markers = \["slow: ', section, re.M)
 
 
-def test_modules_graded_in_the_background_run_last():
+def test_modules_graded_in_the_background_run_last(monkeypatch):
     """A module with CLASS_RUN (grading_bank.ClassRun) goes after every other test, so
     that its class is graded beside them; the others keep their order."""
     from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(_conftest, "WORKER", None)  # one process, as a plain `pytest` runs
 
     run = object()
     items = [NS(nodeid="a", module=NS(CLASS_RUN=run)), NS(nodeid="b", module=NS()), NS(nodeid="c")]
@@ -53,10 +59,12 @@ def test_modules_graded_in_the_background_run_last():
     assert [i.nodeid for i in items] == ["b", "c", "a"]
 
 
-def test_chapters_then_the_site_then_class_runs_go_last():
+def test_chapters_then_the_site_then_class_runs_go_last(monkeypatch):
     """The chapter tests wait for the background execution, the site's browser test builds
     from the executed chapters, and the class runs' tests wait for theirs."""
     from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(_conftest, "WORKER", None)
 
     chapter = _conftest.CHAPTER_TEST + "[00_x]"
     mark = lambda marker: None  # both are slow tests
@@ -101,3 +109,46 @@ def test_the_chapter_run_executes_in_the_background_and_reports_failures(monkeyp
     run.wait()
     assert sorted(calls) == [("bad.ipynb", 1), ("good.ipynb", 1), ("late.ipynb", None)]
     assert set(run.seconds) == {good, bad, late}
+
+
+def test_under_pytest_n_what_waits_for_the_background_is_the_first_unit(monkeypatch):
+    """A worker gets a unit of work whole: first the tests that wait for the background (the
+    chapters, the site's browser test, the modules that grade a class: their first test
+    starts it all), then each test file (module fixtures once, a notebook's cells in order)."""
+    from types import SimpleNamespace as NS
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    monkeypatch.setattr(_conftest, "WORKER", "gw0")
+    chapter = _conftest.CHAPTER_TEST + "[00_x]"
+    site = "tests/site/test_site_browser.py::test_pages"
+    graded = "tests/grading/test_grading_mutants.py::test_feedback_is_precise"
+    ids = ["tests/test_kv.py::t1", graded, site, "solutions/01.ipynb::Cell 0", chapter,
+           "tests/test_kv.py::t2"]
+    items = [NS(nodeid=i, module=NS(CLASS_RUN=object()) if i == graded else NS(),
+                callspec=NS(params={"path": Path("0")}), add_marker=lambda mark: None)
+             for i in ids]
+    _conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == [chapter, site, graded, "tests/test_kv.py::t1",
+                                         "solutions/01.ipynb::Cell 0", "tests/test_kv.py::t2"]
+    assert {_conftest._unit(i) for i in (chapter, site, graded)} == {"background"}
+    assert _conftest._unit("tests/test_kv.py::t2") == "tests/test_kv.py"
+    assert _conftest._unit("solutions/01.ipynb::Cell 0") == "solutions/01.ipynb"
+    # every module that defines a ClassRun is found by its file
+    for path in REPO.glob("tests/**/test_*.py"):
+        defines = re.search(r"^CLASS_RUN = ", path.read_text(), re.M) is not None
+        assert _conftest._grades_a_class(str(path.relative_to(REPO))) == defines, path
+    config = NS(option=NS(loadscopereorder=True), getvalue={"tx": ["2*popen"]}.get)
+    sched = _conftest.pytest_xdist_make_scheduler(config, None)
+    assert isinstance(sched, LoadScopeScheduling) and not config.option.loadscopereorder
+    assert sched._split_scope(chapter) == "background"
+    assert sched._split_scope("tests/test_kv.py::t1") == "tests/test_kv.py"
+    assert _conftest.pytest_xdist_auto_num_workers(None) >= 1
+    # the unit's first test starts the background (once: _start_background's own guard)
+    started = []
+    monkeypatch.setattr(_conftest, "_start_background", started.append)
+    session = NS()
+    for it in items:
+        it.session = session
+        _conftest.pytest_runtest_setup(it)
+    assert started == [session] * 3

@@ -218,7 +218,7 @@ class ClassRun:
             raise AssertionError(f"the class run failed: {self.error!r}") from self.error
         out = self.folder / "out"
         log = (self.folder / "log.txt").read_text(errors="replace")
-        assert self.returncode == 0, log[-3000:]
+        assert self.returncode == 0, f"exit status {self.returncode}: {log[-3000:]}"
         doc = json.loads((out / "grades.json").read_text())
         with open(out / "grades.csv", newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))

@@ -375,17 +375,28 @@ def test_every_declared_reference_resolves():
 
 
 def test_the_supervisor_kills_a_fork_and_allocate_tree():
-    from qlab.grading.budget import Budget, Supervisor, descendants
+    # The Supervisor watches every process below the one that runs it, so it runs in a child
+    # process of its own: this test's process may have others below it (the chapters' kernels
+    # and the class runs that tests/conftest.py starts), which it would count and kill too.
+    script = textwrap.dedent('''
+        import os, subprocess, sys
+        from qlab.grading.budget import Budget, Supervisor, descendants
 
-    bomb = "import os, time\nfor _ in range(12):\n    if os.fork() == 0:\n" \
-        "        x = b'1' * 2**27\n        time.sleep(30)\n        os._exit(0)\ntime.sleep(30)"
-    proc = subprocess.Popen([sys.executable, "-c", bomb])
-    budget = Budget(mem_bytes=512 * 2**20, threads=10_000, disk_bytes=2**40)
-    with Supervisor(budget) as sup:  # all below this process: 12 x 128 MB tried, 512 allowed
-        proc.wait(timeout=30)
-    assert proc.returncode == -9 and descendants(os.getpid()) == []
-    assert "more than 512 MB" in sup.take_reason()
-    assert sup.peak_mem < 512 * 2**20 + 2 * 2**27, sup.peak_mem  # < 2 children over
+        bomb = ("import os, time\\nfor _ in range(12):\\n    if os.fork() == 0:\\n"
+                "        x = b'1' * 2**27\\n        time.sleep(30)\\n        os._exit(0)\\n"
+                "time.sleep(30)")
+        proc = subprocess.Popen([sys.executable, "-c", bomb])
+        budget = Budget(mem_bytes=512 * 2**20, threads=10_000, disk_bytes=2**40)
+        with Supervisor(budget) as sup:  # all below this process: 12 x 128 MB tried, 512 allowed
+            proc.wait(timeout=30)
+        assert proc.returncode == -9 and descendants(os.getpid()) == [], proc.returncode
+        reason = sup.take_reason()
+        assert "more than 512 MB" in reason, reason
+        assert sup.peak_mem < 512 * 2**20 + 2 * 2**27, sup.peak_mem  # < 2 children over
+    ''')
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_keys_for_any_name_and_formula_safe_cells():

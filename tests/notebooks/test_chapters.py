@@ -9,8 +9,9 @@ cell and the error. Each executed chapter is kept for the site's browser test
 The chapters execute in the background (CHAPTER_RUN, started by tests/conftest.py once the
 session's tests are collected): one kernel at a time with one torch thread beside the other
 tests, which are mostly single-threaded, or all usable CPUs when only chapters are selected.
-Their tests go to the end of the session and wait for their chapter; the session's summary
-lists each chapter's own execution time.
+Their tests go to the end of the session and wait for their chapter (under pytest -n, as
+`make test` runs: to one worker, which starts the run at its first chapter test). The
+session's summary lists each chapter's own execution time.
 """
 
 import importlib.util
@@ -37,7 +38,6 @@ class ChapterRun:
         self.done: dict[Path, threading.Event] = {}
         self.results: dict[Path, nbformat.NotebookNode | site_build.BuildError] = {}
         self.seconds: dict[Path, float] = {}
-        self.reported = False  # the session's summary printed its times
         self._lock = threading.Lock()
 
     def start(self, paths: list[Path], jobs: int, threads: int | None) -> None:
@@ -97,9 +97,11 @@ def test_every_chapter_is_collected():
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
-def test_chapter_runs_top_to_bottom(path, executed_chapters):
+def test_chapter_runs_top_to_bottom(path, executed_chapters, record_property):
     try:
         nb = CHAPTER_RUN.result(path)
     except site_build.BuildError as e:
         pytest.fail(str(e), pytrace=False)
+    finally:  # the session's summary lists it (tests/conftest.py)
+        record_property("chapter_seconds", (path.stem, CHAPTER_RUN.seconds[path]))
     nbformat.write(nb, executed_chapters / path.name)

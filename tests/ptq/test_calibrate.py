@@ -125,15 +125,17 @@ def test_shipped_minilm_hits_give_its_recalls_and_paired_changes():
 
 def test_shipped_minilm_gptq_row_is_reproduced():
     """Recompute MiniLM's GPTQ int4 row on one thread, as `python -m qlab.ptq.ch13_results`
-    makes it: the same per-query hits, hence the same recall and paired change, and the
-    same cosine and layer error (measured: bit-equal on this CPU with torch 2.13; the
-    tolerances allow another CPU's float32 sums)."""
+    makes it: nearly the same per-query hits and the same cosine and layer error. Bit-equal
+    on the CPU that made the file (torch 2.13); another CPU's float32 sums flip a rounding
+    that GPTQ's error feedback carries into the rest of the layer: measured on an AMD EPYC
+    (AVX-512), 7 of 128 queries changed (recall 0.742 against 0.766), cosine by 5e-4
+    relative, layer error by 0.2 %. The bounds allow that, with a margin."""
     want = next(r for r in R.load_results()["minilm"]["rows"]
                 if (r["method"], r["act_order"], r["scheme"]) == ("gptq", False, "int4"))
     with torch_threads(1):
         base, task, ref, inputs = R.minilm_setup()
         row = R.minilm_row(base, task, ref, inputs, "gptq", False, "int4")
     differ = sum(a != b for a, b in zip(row["hits"], want["hits"], strict=True))
-    assert differ <= 2, f"{differ} of {len(want['hits'])} queries changed"
+    assert differ <= 10, f"{differ} of {len(want['hits'])} queries changed"
     assert row["cosine"] == pytest.approx(want["cosine"], rel=1e-3)
     assert row["rel_error_mean"] == pytest.approx(want["rel_error_mean"], rel=0.01)
