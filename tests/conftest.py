@@ -88,6 +88,10 @@ def pytest_collection_modifyitems(config, items):
     # submissions is graded in the background (the tests keep their order otherwise)
     items.sort(key=_place)
     if WORKER:  # pytest -n: what waits for the background first (see _unit)
+        for item in items:  # the controller finds class runs by file: it must agree
+            path = item.nodeid.split("::")[0]
+            if (_class_run(item) is not None) != _grades_a_class(path):
+                raise pytest.UsageError(f"{path}: define CLASS_RUN as `CLASS_RUN = ...`")
         items.sort(key=lambda item: _unit(item.nodeid) != BACKGROUND)
 
 

@@ -7,6 +7,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 # tests/conftest.py by its path: other folders have a conftest.py of their own
 _spec = importlib.util.spec_from_file_location("qlab_tests_conftest", REPO / "tests/conftest.py")
@@ -134,10 +136,11 @@ def test_under_pytest_n_what_waits_for_the_background_is_the_first_unit(monkeypa
     assert {_conftest._unit(i) for i in (chapter, site, graded)} == {"background"}
     assert _conftest._unit("tests/test_kv.py::t2") == "tests/test_kv.py"
     assert _conftest._unit("solutions/01.ipynb::Cell 0") == "solutions/01.ipynb"
-    # every module that defines a ClassRun is found by its file
-    for path in REPO.glob("tests/**/test_*.py"):
-        defines = re.search(r"^CLASS_RUN = ", path.read_text(), re.M) is not None
-        assert _conftest._grades_a_class(str(path.relative_to(REPO))) == defines, path
+    # a module whose CLASS_RUN its file does not show (as `CLASS_RUN = ...`) is refused
+    odd = NS(nodeid="tests/test_kv.py::t3", module=NS(CLASS_RUN=object()),
+             add_marker=lambda mark: None)
+    with pytest.raises(pytest.UsageError, match="CLASS_RUN"):
+        _conftest.pytest_collection_modifyitems(None, [odd])
     config = NS(option=NS(loadscopereorder=True), getvalue={"tx": ["2*popen"]}.get)
     sched = _conftest.pytest_xdist_make_scheduler(config, None)
     assert isinstance(sched, LoadScopeScheduling) and not config.option.loadscopereorder
