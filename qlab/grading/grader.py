@@ -29,9 +29,8 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import nbformat
-
 from qlab.grading import results, sandbox
+from qlab.grading._nbformat import nbformat
 from qlab.grading.notebook import assignment_of, is_grade_cell, read_notebook
 from qlab.grading.pool import run_pool
 from qlab.grading.registry import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import nbformat
+from qlab.grading._nbformat import nbformat
 
 __all__ = [
     "BEGIN",

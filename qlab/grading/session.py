@@ -33,7 +33,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
+from qlab.grading._nbformat import nbformat  # before nbclient imports nbformat
+
+# isort: split
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient

@@ -153,6 +153,12 @@ class _Encoder(nn.Module):
         self.layer = nn.ModuleList(_Layer(cfg) for _ in range(cfg.n_layer))
 
 
+def key_bias(mask: torch.Tensor) -> torch.Tensor:
+    """float32 (B, 1, 1, T) added to the attention scores: padded keys (mask 0) get the most
+    negative float32, as transformers does (exp underflows to 0), real ones -0.0."""
+    return (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+
+
 class MiniLM(nn.Module):
     """The BERT encoder of all-MiniLM-L6-v2 (module names = checkpoint tensor names)."""
 
@@ -165,13 +171,10 @@ class MiniLM(nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids int64 (B, T), mask (B, T) 1 for real tokens / 0 for padding (None: no padding)
         -> float32 (B, T, C): the last layer's hidden states (padding rows included)."""
-        if mask is None:
-            mask = torch.ones_like(ids)
-        # padded keys get the most negative float32, as transformers does: exp underflows to 0
-        key_bias = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        bias = key_bias(torch.ones_like(ids) if mask is None else mask)
         h = self.embeddings(ids)
         for layer in self.encoder.layer:
-            h = layer(h, key_bias)
+            h = layer(h, bias)
         return h
 
     def linear_layers(self) -> dict[str, nn.Linear]:

@@ -109,8 +109,7 @@ def minilm_setup():
     ref = task.evaluate(base)
     batches = [ids for _, ids in minilm.length_batches(
         retrieval.calibration_texts(MINILM["calib_texts"]), 64)]
-    inputs = lambda m, name: C.capture_inputs(m, name, batches)  # noqa: E731
-    return base, task, ref, inputs
+    return base, task, ref, C.MiniLMInputs(batches)
 
 
 def minilm_results() -> dict:

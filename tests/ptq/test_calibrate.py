@@ -40,6 +40,24 @@ def test_block_cached_inputs_equal_a_fresh_forward(base):
         torch.testing.assert_close(cached(model, name), fresh, rtol=1e-5, atol=1e-6)
 
 
+def test_minilm_block_cached_inputs_equal_a_fresh_forward_bit_for_bit():
+    from qlab.lm import minilm
+
+    model = minilm.load()
+    batches = [ids for _, ids in minilm.length_batches(retrieval.calibration_texts(6), 4)]
+    assert len({ids.shape for ids in batches}) > 1  # batches of different lengths
+    cached = C.MiniLMInputs(batches)
+    names = ["encoder.layer.0.attention.self.query", "encoder.layer.0.output.dense",
+             "encoder.layer.2.attention.output.dense", "encoder.layer.5.intermediate.dense",
+             "encoder.layer.1.attention.self.value"]  # the last one restarts the cache
+    for name in names:
+        got = cached(model, name)
+        assert torch.equal(got, C.capture_inputs(model, name, batches)), name
+        lin = dict(model.named_modules())[name]  # then quantized, as quantize_model does
+        with torch.no_grad():
+            lin.weight.copy_(qlab.quantize(lin.weight.detach(), "int3", 32).dequantize())
+
+
 @pytest.mark.parametrize("method", C.METHODS)
 def test_quantize_model_is_sequential_and_leaves_the_input_alone(base, method):
     before = {k: v.clone() for k, v in base.state_dict().items()}
