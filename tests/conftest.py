@@ -14,14 +14,18 @@ import threading
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 # Under pytest -n N the N workers share the CPUs: each gets usable / N torch threads (at
-# least 1), in its tests and the kernels and subprocesses they start. More threads than
-# cores add only synchronisation: measured on two cores, tests/lm, ptq and qat under
-# -n 2 took 6 % less CPU on one thread each than on two.
+# least 1), in its tests and the kernels and subprocesses they start. While every worker
+# is busy, more threads than cores add only synchronisation: measured on two cores,
+# tests/lm, ptq, qat, test_kv.py and test_widgets.py under -n 2 took 6 % less CPU (and
+# 4 % less time) on one thread per worker than on two. The price: a worker cannot use the
+# cores that the others leave idle at the end of a run.
+ALL_THREADS = None  # the policy's threads before that split (None: not split)
 if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
     import torch  # noqa: E402
 
-    from qlab._tensor import usable_cpus  # noqa: E402
+    from qlab._tensor import thread_count, usable_cpus  # noqa: E402
 
+    ALL_THREADS = thread_count()
     _threads = max(1, usable_cpus() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ["OMP_NUM_THREADS"] = str(_threads)  # children, and qlab's thread_count()
     torch.set_num_threads(_threads)  # torch read the environment when it was imported
@@ -194,8 +198,8 @@ def _start_chapter_run(session) -> None:
     if len(paths) < len(session.items):  # beside other tests
         run.start(paths, jobs=1, threads=1)
     else:
-        jobs = min(len(paths), usable_cpus())
-        run.start(paths, jobs=jobs, threads=max(1, thread_count() // jobs))
+        jobs = min(len(paths), usable_cpus())  # the other workers have nothing to do
+        run.start(paths, jobs=jobs, threads=max(1, (ALL_THREADS or thread_count()) // jobs))
 
 
 # A test module with CLASS_RUN (tests/grading/grading_bank.py ClassRun: a `qlab grade` run

@@ -60,8 +60,10 @@ def _ppids() -> dict[int, int]:
 
 
 # Linux lists each thread's children in /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN):
-# reading the tree from the root costs a few files where the whole /proc costs one per
-# process on the machine, 20 times a second (1-3 ms a scan on a busy machine: measured)
+# reading the tree from the root costs, per process of the submission, its task/ listing,
+# one file per thread and its stat, where the whole /proc costs one file per process on
+# the machine, 20 times a second (measured: usage() 1.1 ms that way with 67 processes on
+# the machine, 0.3 ms this way)
 _CHILDREN_FILES = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 

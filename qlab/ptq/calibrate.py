@@ -112,10 +112,11 @@ class TinyLMInputs:
 
 class MiniLMInputs:
     """The same for MiniLM (qlab.lm.minilm) reading a list of token-id batches without
-    padding (e.g. its ``length_batches``): each batch's hidden state entering the current
-    encoder layer is kept. Each batch goes through the same operations as in
-    capture_inputs, so the inputs are the same bit for bit (tests/ptq/test_calibrate.py),
-    for about a quarter of the CPU time (6 layers)."""
+    padding (e.g. the ids of its ``length_batches``): each batch's hidden state entering
+    the current encoder layer is kept. Each batch goes through the same operations as in
+    capture_inputs, so the inputs are the same bit for bit (tests/ptq/test_calibrate.py).
+    Measured on one thread, GPTQ int4 over MiniLM's 36 linears (6 layers): 8.3 s, against
+    27 s with capture_inputs from the embeddings for each linear."""
 
     def __init__(self, batches: list[torch.Tensor]) -> None:
         self.batches, self.layer, self.h = batches, 0, None
@@ -125,7 +126,7 @@ class MiniLMInputs:
         from qlab.lm.minilm import key_bias
 
         def run(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            return layer(h, key_bias(torch.ones(h.shape[:2])))
+            return layer(h, key_bias(torch.ones(h.shape[:2], device=h.device)))
 
         b = int(name.split(".")[2])  # "encoder.layer.{b}.attention.self.query"
         layers = model.encoder.layer

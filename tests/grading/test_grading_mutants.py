@@ -175,7 +175,8 @@ def w8a8_matmul(x, w):
         {"w8a8_matmul"},
     ),
     # top-level cells that hang, exit and segfault: skipped after a restart, tasks graded
-    # (this hang sleeps: crash_loop_01_affine spins; the CPU is the other tests')
+    # (this hang sleeps, leaving the CPU to the other tests; crash_loop_01_affine's function
+    # spins: with interrupt_on_timeout=False either kind ends in a killed, restarted kernel)
     "crash_cells_03_nf4": (
         "03_nf4",
         {},
