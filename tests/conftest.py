@@ -14,7 +14,8 @@ import threading
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 # Under pytest -n N the N workers share the CPUs: each gets usable / N torch threads (at
-# least 1), in its tests and the kernels and subprocesses they start. While every worker
+# least 1), in its tests and in what they start that follows the policy (grading kernels
+# take 1 thread anyway; the chapter run sets its own, below). While every worker
 # is busy, more threads than cores add only synchronisation: measured on two cores,
 # tests/lm, ptq, qat, test_kv.py and test_widgets.py under -n 2 took 6 % less CPU (and
 # 4 % less time) on one thread per worker than on two. The price: a worker cannot use the

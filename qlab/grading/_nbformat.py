@@ -12,7 +12,7 @@ then leaves those two formats unchecked, in this process only).
 import sys
 
 if "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules:
-    sys.modules["rfc3987_syntax"] = None  # import fails: jsonschema skips that format
+    sys.modules["rfc3987_syntax"] = None  # import fails: jsonschema skips those formats
     try:
         import nbformat
     finally:

@@ -53,23 +53,11 @@ _SECRET_DIRS = ("/etc/ssl/private", "/etc/ssh")
 # environment variables that pass into the sandbox (everything else is cleared)
 _PASS_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH")
 # run inside a trial sandbox: /proc shows only its own processes (bwrap's init and this
-# Python), ipykernel imports, and torch's extension module loads with every library it
-# links from the read-only mounts (what a sandbox breaks is a library it does not show).
-# Only when that load fails is torch imported, whose own loader finds libraries the
-# linker does not (CUDA's, installed elsewhere): importing it every time would add about
-# 1 s of CPU to every `qlab grade` (measured: 0.95-1.2 s, against 0.16 s for the load).
-# Not checked: torch's Python-level import, which a kernel then reports for each task.
+# Python), and what every grading kernel imports loads from the read-only mounts
 _PROBE = """
-import ctypes, glob, importlib.util, os, sys
+import os, sys
 own = sum(p.isdigit() for p in os.listdir("/proc"))
-import ipykernel.kernelapp
-spec = importlib.util.find_spec("torch")
-if spec is None:
-    sys.exit("torch cannot be found")
-try:
-    ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(spec.origin), "_C.*"))[0])
-except (OSError, IndexError):
-    import torch
+import ipykernel.kernelapp, torch
 sys.exit(3 if own > 3 else 0)
 """
 
