@@ -3,8 +3,8 @@
 The policy (qlab/_tensor.py): OpenMP threads that wait sleep instead of spinning
 (OMP_WAIT_POLICY=PASSIVE, read once when torch loads OpenMP, so it is set here, before
 any test module imports torch; kernels and subprocesses the tests start inherit it), and
-torch uses the CPUs this process may use (`import qlab` applies it). A value the user
-set in the environment wins.
+torch uses the CPUs this process may use (`import qlab` applies it; under pytest -n,
+each worker its share, below). A value the user set in the environment wins.
 """
 
 import functools
