@@ -36,7 +36,7 @@ class ChapterRun:
 
     def __init__(self) -> None:
         self.done: dict[Path, threading.Event] = {}
-        self.results: dict[Path, nbformat.NotebookNode | site_build.BuildError] = {}
+        self.results: dict[Path, nbformat.NotebookNode | Exception] = {}
         self.seconds: dict[Path, float] = {}
         self._lock = threading.Lock()
 
@@ -54,8 +54,8 @@ class ChapterRun:
             start = time.monotonic()
             try:
                 self.results[path] = site_build.execute(path, threads=threads)
-            except site_build.BuildError as e:
-                self.results[path] = e
+            except Exception as e:  # a failed chapter (BuildError) or the harness: its test
+                self.results[path] = e  # reports it; the queue goes on, nothing waits forever
             finally:
                 self.seconds[path] = time.monotonic() - start
                 self.done[path].set()
@@ -75,11 +75,12 @@ class ChapterRun:
             threading.Thread(target=worker, daemon=True, name="chapter-run").start()
 
     def result(self, path: Path) -> nbformat.NotebookNode:
-        """The executed chapter (executed now, if nothing started it); BuildError if it failed."""
+        """The executed chapter (executed now, if nothing started it); raises what stopped
+        it (BuildError: a cell failed, timed out or the kernel died)."""
         self.start([path], 1, None)
         self.done[path].wait()
         result = self.results[path]
-        if isinstance(result, site_build.BuildError):
+        if isinstance(result, Exception):
             raise result
         return result
 
