@@ -62,16 +62,19 @@ clean:
 # for llama.cpp's tools (cmake/llamacpp-lib-only.cmake says how). pip keeps the built wheel
 # in its wheel cache (~/.cache/pip), so a later install, after `make clean` too, does not
 # compile again. Measured cold build: 2 min 25 s on two idle AMD EPYC cores (256 s user +
-# 12 s system CPU; with common/ and cpp-httplib, 5 min 45 s and 655 s); the portable build
-# below, on two Xeon cores: 3 min 44 s (390 s user + 16 s system).
+# 12 s system CPU; with common/ and cpp-httplib, 5 min 45 s and 655 s), native, before the
+# rule below; the portable build, on two idle 2.0 GHz Xeon cores (a machine that ran the
+# test suite 2.2 times slower): 3 min 44 s (390 s user + 16 s system).
 # On Linux x86-64 CPUs with AVX2, FMA, F16C and BMI2, ggml's CPU code is built for those
-# (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512, no AMX) rather than for
+# (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C, unless SOURCE_DATE_EPOCH is set,
+# which leaves plain x86-64; no AVX-512, no AMX) rather than for
 # every extension of the build machine: built with -march=native on a Xeon VM that
 # advertises AMX, llama.cpp crashed (segfault, illegal instruction) in llama_decode on a
 # Q8_0 file (on x86, only ggml's AMX buffer repacks Q8_0; with extra buffer types off, it
 # ran). Elsewhere (ARM, macOS, older x86) the build stays native. A wheel built before this
-# rule stays in pip's cache: `pip cache remove llama_cpp_python`, then remove
-# .venv/.qlab-llamacpp and .venv's llama_cpp_python to rebuild.
+# rule stays in pip's cache; to rebuild: `.venv/bin/python -m pip cache remove
+# llama_cpp_python`, `.venv/bin/python -m pip uninstall -y llama-cpp-python`,
+# `rm .venv/.qlab-llamacpp`, then `make llamacpp`.
 LLAMACPP_PORTABLE := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | grep -w avx2 | \
 	grep -w fma | grep -w f16c | grep -qw bmi2 && echo -DGGML_NATIVE=OFF)
 LLAMACPP_STAMP := $(VENV)/.qlab-llamacpp

@@ -101,20 +101,26 @@ def numbered(folder: Path, only: list[str] | None = None) -> list[Path]:
 
 
 def execute(
-    path: Path, timeout: int = CELL_TIMEOUT_S, threads: int | None = None
+    path: Path,
+    timeout: int = CELL_TIMEOUT_S,
+    threads: int | None = None,
+    environ: dict[str, str] | None = None,
 ) -> nbformat.NotebookNode:
     """Run ``path`` top to bottom in a fresh kernel (cwd = its folder); return it with outputs.
 
     The kernel gets qlab's thread policy (qlab/_tensor.py ``thread_env``): ``threads``
     torch threads (default: the CPUs this process may use, or the user's OMP_NUM_THREADS)
-    that sleep rather than spin while they wait. Raises BuildError naming the notebook
+    that sleep rather than spin while they wait. ``environ``: the environment the kernel
+    starts from (default os.environ; a caller in another thread passes a copy taken in
+    the main thread: os.environ can change while a thread copies it). Raises BuildError naming the notebook
     and the cell when a cell fails, times out or the kernel dies.
     """
     nb = nbformat.read(path, as_version=4)
+    base = dict(os.environ if environ is None else environ)
     env = dict(
-        os.environ,
+        base,
         **thread_env(threads),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(SITE_DIR), os.environ.get("PYTHONPATH", "")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(SITE_DIR), base.get("PYTHONPATH", "")])),
     )
     with tempfile.TemporaryDirectory(prefix="qlab-site-kernel-") as sockets:
         # Unix sockets in a private folder (jupyter_client's ipc transport), not TCP ports

@@ -134,12 +134,13 @@ class ClassRun:
         assert (cases is None) != (write is None), "give cases or write, not both"
         self.cases, self.argv, self.limit_s = cases, list(argv or []), limit_s
         self.write, self.commands, self.cwd = write, commands, cwd
-        # Always an explicit environment, copied here, in the thread that imports the test
-        # module. Started from the run's thread without one, a child (vfork) execs with
-        # the C `environ` that pytest's main thread changes (setenv/unsetenv of
-        # PYTEST_CURRENT_TEST) while exec reads it: OSError(14, 'Bad address') in CI. And
-        # copying os.environ key by key in that thread can meet a key just removed.
-        self.env = dict(os.environ) if env is None else env
+        # Always an explicit environment, copied here (in the thread that makes the run).
+        # Started from the run's thread without one, a child (vfork) execs with the C
+        # `environ` that the main thread changes meanwhile (pytest sets and removes
+        # PYTEST_CURRENT_TEST around every test; monkeypatch too): OSError(14, 'Bad
+        # address') in CI. And copying os.environ key by key in that thread can meet a
+        # key just removed.
+        self.env = dict(os.environ if env is None else env)
         self.procs: list[subprocess.Popen] = []
         self.returncode: int | None = None
         self.error: BaseException | None = None

@@ -15,6 +15,7 @@ session's summary lists each chapter's own execution time.
 """
 
 import importlib.util
+import os
 import sys
 import threading
 import time
@@ -36,9 +37,13 @@ class ChapterRun:
 
     def __init__(self) -> None:
         self.done: dict[Path, threading.Event] = {}
-        self.results: dict[Path, nbformat.NotebookNode | Exception] = {}
+        self.results: dict[Path, nbformat.NotebookNode | BaseException] = {}
         self.seconds: dict[Path, float] = {}
         self._lock = threading.Lock()
+        # the kernels' environment, copied here (at import, in the main thread): pytest
+        # changes os.environ around every test, so copying it in the run's threads could
+        # meet a key just removed (grading_bank.ClassRun does the same)
+        self.environ = dict(os.environ)
 
     def start(self, paths: list[Path], jobs: int, threads: int | None) -> None:
         """Execute ``paths`` (those not started yet), ``jobs`` kernels at a time, each with
@@ -53,8 +58,8 @@ class ChapterRun:
         def run(path: Path) -> None:
             start = time.monotonic()
             try:
-                self.results[path] = site_build.execute(path, threads=threads)
-            except Exception as e:  # a failed chapter (BuildError) or the harness: its test
+                self.results[path] = site_build.execute(path, threads=threads, environ=self.environ)
+            except BaseException as e:  # a failed chapter (BuildError) or the harness: its test
                 self.results[path] = e  # reports it; the queue goes on, nothing waits forever
             finally:
                 self.seconds[path] = time.monotonic() - start
@@ -80,7 +85,7 @@ class ChapterRun:
         self.start([path], 1, None)
         self.done[path].wait()
         result = self.results[path]
-        if isinstance(result, Exception):
+        if isinstance(result, BaseException):
             raise result
         return result
 
