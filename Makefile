@@ -61,9 +61,9 @@ clean:
 # and without llama.cpp's common/ library and cpp-httplib, which llama-cpp-python would build
 # for llama.cpp's tools (cmake/llamacpp-lib-only.cmake says how). pip keeps the built wheel
 # in its wheel cache (~/.cache/pip), so a later install, after `make clean` too, does not
-# compile again. Measured cold build: 2 min 25 s on two idle AMD EPYC cores (256 s user +
-# 12 s system CPU; with common/ and cpp-httplib, 5 min 45 s and 655 s), native, before the
-# rule below; the portable build, on two idle 2.0 GHz Xeon cores (a machine that ran the
+# compile again. Measured cold build, native (before the rule below): 2 min 25 s on two idle
+# AMD EPYC cores (256 s user + 12 s system CPU; with common/ and cpp-httplib, 5 min 45 s
+# and 655 s); the portable build, on two idle 2.0 GHz Xeon cores (a machine that ran the
 # test suite 2.2 times slower): 3 min 44 s (390 s user + 16 s system).
 # On Linux x86-64 CPUs with AVX2, FMA, F16C and BMI2, ggml's CPU code is built for those
 # (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C, unless SOURCE_DATE_EPOCH is set,

@@ -90,7 +90,8 @@ def test_the_chapter_run_executes_in_the_background_and_reports_failures(monkeyp
     build = module.site_build
     calls = []
 
-    def execute(path, threads=None):  # a stand-in for a kernel: the test is about the run
+    def execute(path, threads=None, environ=None):  # a stand-in for a kernel: the run is tested
+        assert environ is run.environ  # the copy taken when the run was made
         calls.append((path.name, threads))
         if path.name == "bad.ipynb":
             raise build.BuildError("chapter bad failed to execute (cell 3)")

@@ -111,9 +111,10 @@ def execute(
     The kernel gets qlab's thread policy (qlab/_tensor.py ``thread_env``): ``threads``
     torch threads (default: the CPUs this process may use, or the user's OMP_NUM_THREADS)
     that sleep rather than spin while they wait. ``environ``: the environment the kernel
-    starts from (default os.environ; a caller in another thread passes a copy taken in
-    the main thread: os.environ can change while a thread copies it). Raises BuildError naming the notebook
-    and the cell when a cell fails, times out or the kernel dies.
+    starts from, before that policy and PYTHONPATH are applied (default os.environ; a
+    caller whose main thread may change os.environ meanwhile passes a copy taken there:
+    copying os.environ key by key can meet a key just removed). Raises BuildError naming
+    the notebook and the cell when a cell fails, times out or the kernel dies.
     """
     nb = nbformat.read(path, as_version=4)
     base = dict(os.environ if environ is None else environ)

@@ -152,9 +152,9 @@ def llama_cpp_or_skip():
     """The llama_cpp module (llama-cpp-python) for the tests that run llama.cpp itself.
 
     `make test` (and so CI) and `make test-llamacpp` build it (`make llamacpp`: a cold
-    build took 2 min 25 s on two idle AMD EPYC cores, 268 s of CPU, and 3 min 44 s on two
-    2.0 GHz Xeon cores, 406 s, measured) and run these tests with QLAB_LLAMACPP=require,
-    where a missing module FAILS.
+    build took 2 min 25 s on two idle AMD EPYC cores, 268 s of CPU, native, before the
+    Makefile's AVX2 rule; 3 min 44 s on two idle 2.0 GHz Xeon cores, 406 s, with it) and
+    run these tests with QLAB_LLAMACPP=require, where a missing module FAILS.
     Elsewhere (a plain `pytest`) they skip without it."""
     import pytest  # only the tests call this
 

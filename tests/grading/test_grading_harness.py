@@ -38,7 +38,9 @@ def test_a_class_run_starts_its_commands_while_the_environment_changes():
     # OSError(14, 'Bad address') in CI. Measured: this test failed with that error
     # without the fix; a standalone loop of the same kind failed 302 of 1323 starts.
     here = str(Path(__file__).parent)
-    out = subprocess.run([sys.executable, "-c", CHURN, here], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHURN, here], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # finished in time, no error, every `true` exited 0, more than one change per start
-    assert out.stdout.split() == ["True", "None", "0", "True"], out.stdout
+    assert out.stdout.split() == ["True", "None", "0", "True"], (out.stdout, out.stderr[-3000:])

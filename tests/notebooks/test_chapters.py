@@ -37,12 +37,12 @@ class ChapterRun:
 
     def __init__(self) -> None:
         self.done: dict[Path, threading.Event] = {}
-        self.results: dict[Path, nbformat.NotebookNode | BaseException] = {}
+        self.results: dict[Path, nbformat.NotebookNode | Exception] = {}
         self.seconds: dict[Path, float] = {}
         self._lock = threading.Lock()
-        # the kernels' environment, copied here (at import, in the main thread): pytest
-        # changes os.environ around every test, so copying it in the run's threads could
-        # meet a key just removed (grading_bank.ClassRun does the same)
+        # the environment the kernels start from, copied here (in the thread that makes
+        # the run): pytest changes os.environ around every test, so copying it in the
+        # run's threads could meet a key just removed (grading_bank.ClassRun does the same)
         self.environ = dict(os.environ)
 
     def start(self, paths: list[Path], jobs: int, threads: int | None) -> None:
@@ -59,7 +59,7 @@ class ChapterRun:
             start = time.monotonic()
             try:
                 self.results[path] = site_build.execute(path, threads=threads, environ=self.environ)
-            except BaseException as e:  # a failed chapter (BuildError) or the harness: its test
+            except Exception as e:  # a failed chapter (BuildError) or the harness: its test
                 self.results[path] = e  # reports it; the queue goes on, nothing waits forever
             finally:
                 self.seconds[path] = time.monotonic() - start
@@ -85,7 +85,7 @@ class ChapterRun:
         self.start([path], 1, None)
         self.done[path].wait()
         result = self.results[path]
-        if isinstance(result, BaseException):
+        if isinstance(result, Exception):
             raise result
         return result
 
