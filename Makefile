@@ -69,7 +69,8 @@ clean:
 # (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C, unless SOURCE_DATE_EPOCH is set,
 # which leaves plain x86-64; no AVX-512, no AMX) rather than for
 # every extension of the build machine: built with -march=native on a Xeon VM that
-# advertises AMX, llama.cpp crashed (segfault, illegal instruction) in llama_decode on a
+# advertises AMX, llama.cpp crashed in llama_decode (a segfault, then an illegal
+# instruction in the next worker) on a
 # Q8_0 file (on x86, only ggml's AMX buffer repacks Q8_0; with extra buffer types off, it
 # ran). Elsewhere (ARM, macOS, older x86) the build stays native. A wheel built before this
 # rule stays in pip's cache; to rebuild: `.venv/bin/python -m pip cache remove

@@ -111,7 +111,8 @@ def execute(
     The kernel gets qlab's thread policy (qlab/_tensor.py ``thread_env``): ``threads``
     torch threads (default: the CPUs this process may use, or the user's OMP_NUM_THREADS)
     that sleep rather than spin while they wait. ``environ``: the environment the kernel
-    starts from, before that policy and PYTHONPATH are applied (default os.environ; a
+    starts from, before that policy and PYTHONPATH are applied (the policy's OMP_* values
+    are still read from os.environ, one key at a time; default os.environ; a
     caller whose main thread may change os.environ meanwhile passes a copy taken there:
     copying os.environ key by key can meet a key just removed). Raises BuildError naming
     the notebook and the cell when a cell fails, times out or the kernel dies.

@@ -59,8 +59,10 @@ class ChapterRun:
             start = time.monotonic()
             try:
                 self.results[path] = site_build.execute(path, threads=threads, environ=self.environ)
-            except Exception as e:  # a failed chapter (BuildError) or the harness: its test
-                self.results[path] = e  # reports it; the queue goes on, nothing waits forever
+            # a failed chapter (BuildError) or an error in this harness itself: the chapter's
+            # test raises it; the queue goes on, nothing waits forever
+            except Exception as e:
+                self.results[path] = e
             finally:
                 self.seconds[path] = time.monotonic() - start
                 self.done[path].set()
