@@ -38,17 +38,18 @@ Named schemes (keys K and values V are (B, H, S, D) per layer, D = head_dim):
 
 How it attaches: each block's ``Attention.qkv_transform`` (qlab/lm/model.py) receives the
 queries and ALL cached keys/values right before attention and returns what attention
-reads. The cache itself stays float32, and a token's quantized value is recomputed from it
-each step; for every scheme here that value depends only on the token itself, a calibrated
-constant or a complete chunk of tokens, so it equals what a cache that stores quantized
-entries would hold. The full-precision window is the exception that depends on the length:
-it covers the `window` most recent positions of the cache, so in a full forward over T
-tokens (qlab.lm.quality.logits) every query sees the cache as it stands after the last
-token (positions < T - window quantized, even for the earliest queries), while decoding
-one token at a time (``decode_logits``) each query sees its own recent window, as a
-serving system would. On TinyLM the two differ a lot for kivi2 (measured on 8 validation
-windows of 256 bytes: KL 0.13 full forward, 0.001 decoding): measure window schemes with
-``decode_logits``.
+reads. The cache itself stays float32, and each step attention reads it as the scheme would
+store it (the layer's quantizer keeps what it quantized and, as decoding appends, quantizes
+only the new entries). For every scheme here a token's quantized value depends only on the
+token itself, a calibrated constant or a complete chunk of tokens, so it equals what a
+cache that stores quantized entries would hold. The full-precision window is the exception
+that depends on the length: it covers the `window` most recent positions of the cache, so
+in a full forward over T tokens (qlab.lm.quality.logits) every query sees the cache as it
+stands after the last token (positions < T - window quantized, even for the earliest
+queries), while decoding one token at a time (``decode_logits``) each query sees its own
+recent window, as a serving system would. On TinyLM the two differ a lot for kivi2
+(measured on 8 validation windows of 256 bytes: KL 0.13 full forward, 0.001 decoding):
+measure window schemes with ``decode_logits``.
 
 Not modelled: KVQuant's (Hooper et al. 2024) pre-RoPE keys (TinyLM has learned absolute
 positions, no RoPE), its non-uniform quantization (NUQ) and its dense-and-sparse outliers (its
@@ -177,21 +178,51 @@ def _fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class _CacheQuantizer:
-    """The qkv_transform of one layer: what attention reads from a cache under ``scheme``."""
+    """The qkv_transform of one layer: what attention reads from a cache under ``scheme``.
+
+    Decoding appends one token per step, and a stored entry depends only on its own token
+    (per-token) or its own chunk (per-channel keys). So each call keeps what it quantized,
+    and the next call quantizes only the positions past those, when its cache starts with
+    the same entries (``torch.equal``); anything else is quantized afresh. The result is
+    the same, bit for bit (tests/test_kv.py), and decoding T tokens costs O(T) quantization
+    instead of O(T^2)."""
 
     def __init__(self, scheme: KVScheme, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
         self.scheme, self.k_scale, self.v_scale = scheme, k_scale, v_scale
+        self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, quantized)
+
+    def _prefix(self, what: str, x: torch.Tensor, n: int, quantize) -> torch.Tensor:
+        """quantize(x[:, :, :n]) for x (B, H, S, D), reusing the last call's positions
+        where this x starts with the same entries (n and the reused length: whole units)."""
+        src, done = self._last.get(what, (x[:, :, :0], x[:, :, :0]))
+        m = done.shape[2]
+        if not (src.shape[:2] == x.shape[:2] and src.shape[3] == x.shape[3] and m <= n
+                and torch.equal(src, x[:, :, :m])):
+            m, done = 0, x[:, :, :0]
+        if n > m:
+            done = torch.cat([done[:, :, :m], quantize(x[:, :, m:n])], dim=2)
+        self._last[what] = x[:, :, :n].clone(), done[:, :, :n]  # a caller may change x
+        return done[:, :, :n]
+
+    def _per_token(self, what: str, x: torch.Tensor) -> torch.Tensor:
+        old = x.shape[2] - self.scheme.window  # positions older than the float window
+        x_hat = x.clone()
+        if old > 0:
+            x_hat[:, :, :old] = self._prefix(
+                what, x, old, lambda t: quantize_values(t, self.scheme).dequantize())
+        return x_hat
 
     def _keys(self, k: torch.Tensor) -> torch.Tensor:
         sch, S = self.scheme, k.shape[2]
         if sch.key_axis == "token":
-            return quantize_values(k, sch).dequantize()
+            return self._per_token("k", k)
         # whole chunks covering every position older than the window (window >= group)
         end = min(S, math.ceil(max(S - sch.window, 0) / sch.group) * sch.group)
         k_hat = k.clone()
         if end:
-            k_hat[:, :, :end] = quantize_keys(k[:, :, :end], sch).dequantize().transpose(2, 3)
+            k_hat[:, :, :end] = self._prefix(
+                "k", k, end, lambda x: quantize_keys(x, sch).dequantize().transpose(2, 3))
         return k_hat
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -203,7 +234,7 @@ class _CacheQuantizer:
         if sch.static is not None:
             k_hat, v_hat = _fp8_static(k, self.k_scale), _fp8_static(v, self.v_scale)
         else:
-            k_hat, v_hat = self._keys(k), quantize_values(v, sch).dequantize()
+            k_hat, v_hat = self._keys(k), self._per_token("v", v)
         if sch.window:
             recent = slice(max(k.shape[2] - sch.window, 0), None)
             k_hat[:, :, recent], v_hat[:, :, recent] = k[:, :, recent], v[:, :, recent]

@@ -105,6 +105,35 @@ def test_quantized_token_does_not_change_as_the_cache_grows(name):
         assert torch.equal(v_s[:, :, :n_old], v_full[:, :, :n_old])
 
 
+
+@pytest.mark.parametrize("name", [*kv.KV_SCHEME_NAMES, "int4 + window"])
+def test_a_growing_cache_reads_as_a_fresh_quantizer_reads_it(name):
+    # a layer's quantizer keeps what it quantized and, when the next cache starts with the
+    # same entries, quantizes only the new ones: bit for bit what quantizing all gives
+    scheme = (kv.KVScheme(name=name, element="int4", window=kv.WINDOW)
+              if name == "int4 + window" else kv.get_kv_scheme(name))
+    scales = torch.tensor(3.0), torch.tensor(0.5)  # static FP8: any calibrated constants
+
+    def fresh(*qkv):
+        return kv._CacheQuantizer(scheme, *scales)(*qkv)
+
+    def same(got, want):
+        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    q, k, v = _qkv(S=100)
+    t = kv._CacheQuantizer(scheme, *scales)
+    for S in [*range(1, 101), 100, 64, 100]:  # decoding, a repeat, a shorter cache, regrowth
+        assert same(t(q, k[:, :, :S], v[:, :, :S]), fresh(q, k[:, :, :S], v[:, :, :S])), S
+    for change in ("k", "v"):
+        x = {"k": k.clone(), "v": v.clone()}
+        t(q, x["k"], x["v"])
+        x[change][:, :, 3] += 1.0  # an earlier entry changed in place
+        assert same(t(q, x["k"], x["v"]), fresh(q, x["k"], x["v"])), change
+        x[change] = x[change].clone()
+        x[change][:, :, 5] -= 1.0  # ... or in a new tensor
+        assert same(t(q, x["k"], x["v"]), fresh(q, x["k"], x["v"])), change
+    assert same(t(q, k[:1], v[:1]), fresh(q, k[:1], v[:1]))  # another batch
+
 def test_scale_shapes_per_channel_keys_per_token_values():
     _, k, v = _qkv(S=96)  # (B, H, S, D) = (2, 3, 96, 64)
     # keys: per channel, chunks of 32 tokens; values: per token, groups of 32 channels
