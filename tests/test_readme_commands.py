@@ -69,6 +69,9 @@ CHEAP: dict[str, str] = {
         "python -c \"import yaml; assert yaml.safe_load(open('environment.yml'))['name']\""
     ),
     "bash benchmarks/gpu_session.sh": "bash -n benchmarks/gpu_session.sh",
+    # on a CPU both bench lines check the same candidates on the same small shape (only the
+    # roofline model's shape list differs), and the --quick line runs for real
+    "python -m qlab.kernels.bench": "python -m qlab.kernels.bench --help",
     "python benchmarks/bench_contention.py 00": "python benchmarks/bench_contention.py --help",
 }
 SCRIPT_ENV = {"SLURM_ARRAY_TASK_ID": "1"}  # what a batch system sets for a script block
