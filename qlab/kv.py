@@ -39,8 +39,9 @@ Named schemes (keys K and values V are (B, H, S, D) per layer, D = head_dim):
 How it attaches: each block's ``Attention.qkv_transform`` (qlab/lm/model.py) receives the
 queries and ALL cached keys/values right before attention and returns what attention
 reads. The cache itself stays float32, and each step attention reads it as the scheme would
-store it (the layer's quantizer keeps what it quantized and, as decoding appends, quantizes
-only the new entries). For every scheme here a token's quantized value depends only on the
+store it (for the schemes here but the static FP8 ones, the layer's quantizer keeps what it
+quantized and, as decoding appends, quantizes only the new entries: ``_CacheQuantizer``).
+For every scheme here a token's quantized value depends only on the
 token itself, a calibrated constant or a complete chunk of tokens, so it equals what a
 cache that stores quantized entries would hold. The full-precision window is the exception
 that depends on the length: it covers the `window` most recent positions of the cache, so
@@ -177,33 +178,55 @@ def _fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return e4m3.decode(e4m3.encode(x / scale)) * scale
 
 
+# scale rules whose scales come from one group's own values (not NVFP4's per-tensor scale)
+_GROUP_LOCAL_RULES = ("absmax", "minmax", "nf4", "e8m0", "ggml_q8_0", "ggml_q4_0")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same bit patterns, dtype and device (unlike torch.equal, +0 and -0
+    differ, and equal NaNs match)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
 class _CacheQuantizer:
     """The qkv_transform of one layer: what attention reads from a cache under ``scheme``.
 
-    Decoding appends one token per step, and a stored entry depends only on its own token
-    (per-token) or its own chunk (per-channel keys). So each call keeps what it quantized,
-    and the next call quantizes only the positions past those, when its cache starts with
-    the same entries (``torch.equal``); anything else is quantized afresh. The result is
-    the same, bit for bit (tests/test_kv.py), and decoding T tokens costs O(T) quantization
-    instead of O(T^2)."""
+    Decoding appends one token per step. When a stored entry depends only on its own token
+    (per-token scales) or its own chunk (per-channel keys), as with every qlab element but
+    NVFP4 (a per-tensor scale) and NF4 with double quantization, each call keeps what it
+    quantized, and the next call quantizes only the entries past those when its cache
+    starts with the same entries (the same bits). Each entry is then quantized once, though
+    the comparison and copies still pass over the whole cache every step; the static FP8
+    schemes, the rotation and the other elements recompute the whole cache every call.
+    Either way the result equals a fresh quantizer's (tests/test_kv.py). What is kept, the
+    last input and its quantized entries, stays in memory: about twice the layer's cache."""
 
     def __init__(self, scheme: KVScheme, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
         self.scheme, self.k_scale, self.v_scale = scheme, k_scale, v_scale
+        element = None if scheme.element is None else qlab.get_scheme(scheme.element)
+        self.reuse = (element is not None and element.scale_rule in _GROUP_LOCAL_RULES
+                      and not element.double_quant)
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, quantized)
 
     def _prefix(self, what: str, x: torch.Tensor, n: int, quantize) -> torch.Tensor:
-        """quantize(x[:, :, :n]) for x (B, H, S, D), reusing the last call's positions
-        where this x starts with the same entries (n and the reused length: whole units)."""
-        src, done = self._last.get(what, (x[:, :, :0], x[:, :, :0]))
-        m = done.shape[2]
-        if not (src.shape[:2] == x.shape[:2] and src.shape[3] == x.shape[3] and m <= n
-                and torch.equal(src, x[:, :, :m])):
-            m, done = 0, x[:, :, :0]
-        if n > m:
-            done = torch.cat([done[:, :, :m], quantize(x[:, :, m:n])], dim=2)
-        self._last[what] = x[:, :, :n].clone(), done[:, :, :n]  # a caller may change x
-        return done[:, :, :n]
+        """quantize(x[:, :, :n]) for x (B, H, S, D), n a whole number of units (tokens, or
+        chunks of ``group`` tokens for per-channel keys), reusing the last call's result
+        when x starts with the bits of that call's input."""
+        if not self.reuse:
+            return quantize(x[:, :, :n])
+        src, done = self._last.get(what, (None, None))
+        if src is not None and not (src.shape[2] <= n and _same_bits(src, x[:, :, :src.shape[2]])):
+            src = done = None
+        if done is None:
+            done = quantize(x[:, :, :n])
+        elif done.shape[2] < n:
+            done = torch.cat([done, quantize(x[:, :, done.shape[2]:n])], dim=2)
+        self._last[what] = x[:, :, :n].detach().clone(), done  # a caller may change x later
+        return done
 
     def _per_token(self, what: str, x: torch.Tensor) -> torch.Tensor:
         old = x.shape[2] - self.scheme.window  # positions older than the float window

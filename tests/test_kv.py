@@ -106,33 +106,58 @@ def test_quantized_token_does_not_change_as_the_cache_grows(name):
 
 
 
-@pytest.mark.parametrize("name", [*kv.KV_SCHEME_NAMES, "int4 + window"])
-def test_a_growing_cache_reads_as_a_fresh_quantizer_reads_it(name):
+OTHER_SCHEMES = {  # a float window, and elements whose scales span groups (no reuse)
+    "int4 + window": kv.KVScheme(name="int4 + window", element="int4", window=kv.WINDOW),
+    "nvfp4": kv.KVScheme(name="nvfp4", element="nvfp4", group=16),
+    "nf4_dq": kv.KVScheme(name="nf4_dq", element="nf4_dq", window=kv.WINDOW),
+}
+
+
+@pytest.mark.parametrize("name", [*kv.KV_SCHEME_NAMES, *OTHER_SCHEMES])
+def test_a_growing_cache_reads_as_a_fresh_quantizer_reads_it(name, monkeypatch):
     # a layer's quantizer keeps what it quantized and, when the next cache starts with the
-    # same entries, quantizes only the new ones: bit for bit what quantizing all gives
-    scheme = (kv.KVScheme(name=name, element="int4", window=kv.WINDOW)
-              if name == "int4 + window" else kv.get_kv_scheme(name))
+    # same entries, quantizes only the new ones: what quantizing all of it gives
+    scheme = OTHER_SCHEMES.get(name) or kv.get_kv_scheme(name)
     scales = torch.tensor(3.0), torch.tensor(0.5)  # static FP8: any calibrated constants
 
     def fresh(*qkv):
         return kv._CacheQuantizer(scheme, *scales)(*qkv)
 
     def same(got, want):
-        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        return all(torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+                   for a, b in zip(got, want, strict=True))
 
+    quantized = []  # tokens each quantizer call was given (t's and fresh ones')
+    for f in ("quantize_values", "quantize_keys"):
+        real = getattr(kv, f)
+        monkeypatch.setattr(kv, f, lambda x, s, f=real: quantized.append(x.shape[2]) or f(x, s))
     q, k, v = _qkv(S=100)
     t = kv._CacheQuantizer(scheme, *scales)
-    for S in [*range(1, 101), 100, 64, 100]:  # decoding, a repeat, a shorter cache, regrowth
+    mine = []  # tokens each of t's quantizer calls was given
+    for S in range(1, 101):  # decoding
+        want = fresh(q, k[:, :, :S], v[:, :, :S])
+        before = len(quantized)
+        assert same(t(q, k[:, :, :S], v[:, :, :S]), want), S
+        mine += quantized[before:]
+    if t.reuse and scheme.static is None:  # each entry once: those older than the window,
+        W, chunks = scheme.window, scheme.key_axis == "channel"  # and kivi's key chunks
+        assert sum(mine) == (96 if chunks else 100 - W) + 100 - W, mine
+        assert max(mine) == (32 if chunks else 1), mine
+    for S in (100, 64, 100, 37, 38):  # a repeat, a shorter cache, regrowth, a prefill
         assert same(t(q, k[:, :, :S], v[:, :, :S]), fresh(q, k[:, :, :S], v[:, :, :S])), S
     for change in ("k", "v"):
-        x = {"k": k.clone(), "v": v.clone()}
-        t(q, x["k"], x["v"])
-        x[change][:, :, 3] += 1.0  # an earlier entry changed in place
-        assert same(t(q, x["k"], x["v"]), fresh(q, x["k"], x["v"])), change
-        x[change] = x[change].clone()
-        x[change][:, :, 5] -= 1.0  # ... or in a new tensor
-        assert same(t(q, x["k"], x["v"]), fresh(q, x["k"], x["v"])), change
+        for pos in (3, 90, 99):  # an old entry, one in the window of a kivi chunk, the newest
+            x = {"k": k.clone(), "v": v.clone()}
+            t(q, x["k"], x["v"])
+            x[change][:, :, pos] += 1.0  # changed in place
+            assert same(t(q, x["k"], x["v"]), fresh(q, x["k"], x["v"])), (change, pos)
+            for zero in (0.0, -0.0):  # in a new tensor: +0, then -0 (equal, other bits)
+                x[change] = x[change].clone()
+                x[change][:, :, pos] = zero
+                assert same(t(q, x["k"], x["v"]), fresh(q, x["k"], x["v"])), (change, zero)
     assert same(t(q, k[:1], v[:1]), fresh(q, k[:1], v[:1]))  # another batch
+    assert same(t(q, k.double(), v.double()), fresh(q, k.double(), v.double()))  # dtype
+
 
 def test_scale_shapes_per_channel_keys_per_token_values():
     _, k, v = _qkv(S=96)  # (B, H, S, D) = (2, 3, 96, 64)
