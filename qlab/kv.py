@@ -200,7 +200,8 @@ class _CacheQuantizer:
     quantized, and the next call quantizes only the entries past those when its cache
     starts with the same entries (the same bits). Each entry is then quantized once, though
     the comparison and copies still pass over the whole cache every step; the static FP8
-    schemes, the rotation and the other elements recompute the whole cache every call.
+    schemes and the other elements re-quantize the whole cache every call, and the
+    rotation is applied to the whole cache every call (hadamard_int4's entries are reused).
     Either way the result equals a fresh quantizer's (tests/test_kv.py). What is kept, the
     last input and its quantized entries, stays in memory: about twice the layer's cache."""
 
@@ -213,9 +214,9 @@ class _CacheQuantizer:
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, quantized)
 
     def _prefix(self, what: str, x: torch.Tensor, n: int, quantize) -> torch.Tensor:
-        """quantize(x[:, :, :n]) for x (B, H, S, D), n a whole number of units (tokens, or
-        chunks of ``group`` tokens for per-channel keys), reusing the last call's result
-        when x starts with the bits of that call's input."""
+        """quantize(x[:, :, :n]) for x (B, H, S, D), n positions (a multiple of ``group``
+        for per-channel keys), reusing the last call's result when that call's input is no
+        longer than n and x starts with its bits."""
         if not self.reuse:
             return quantize(x[:, :, :n])
         src, done = self._last.get(what, (None, None))
