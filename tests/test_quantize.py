@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -157,6 +157,7 @@ finite = finite.filter(lambda v: v == 0 or abs(v) > 1e-4)
 @given(arrays(np.float32, st.integers(1, 64).map(lambda n: (2, 2 * n)), elements=finite),
        st.sampled_from(["int8", "int4", "int3", "int4_asym", "uint8_asym"]),
        st.sampled_from(["tensor", "channel", 2]))
+@example(np.array([[0, 0], [0, 0.00029908]], np.float32), "int8", "tensor")  # fp16 subnormal s
 def test_properties(x, scheme, gran):
     x = torch.from_numpy(x)
     qt = qlab.quantize(x, scheme, gran)
@@ -172,13 +173,20 @@ def test_properties(x, scheme, gran):
     inside = (x >= s * (grid.qmin - z)) & (x <= s * (grid.qmax - z))  # the grid's range
     err = (x - x_hat).abs()
     assert torch.all((err <= s / 2 * (1 + 1e-3) + 1e-6 * x.abs())[inside])
+    # A second pass, where the group's scale is a normal fp16 number (>= 2**-14). A
+    # subnormal one keeps fewer significant bits: absmax / s can round below qmax (to 125
+    # in the int8 example above, which this test found), the second pass then picks
+    # another scale, and only the half-step bound above holds, as for any input.
     again = qlab.fake_quantize(x_hat, scheme, gran)
-    if qt.zero_points is None:  # symmetric: idempotent (the new absmax gives the same scale)
-        assert torch.allclose(again, x_hat, rtol=1e-3, atol=0)
+    normal = (s >= 2**-14).expand_as(x)
+    if qt.zero_points is None:
+        # symmetric: s has 11 significant bits, so absmax / s rounds to qmax, the new
+        # absmax is qmax * s (exact in float32), and the same s comes back: bit for bit
+        assert torch.equal(again[normal], x_hat[normal])
     else:
         # asymmetric: the rounded zero point can drop the top level of the range, so the
         # second pass may pick a slightly different scale: within one step, not exact
-        assert torch.all((again - x_hat).abs() <= s * 1.01)
+        assert torch.all(((again - x_hat).abs() <= s * 1.01)[normal])
 
 
 @settings(max_examples=60, deadline=None)
