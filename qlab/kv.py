@@ -221,7 +221,7 @@ class _CacheQuantizer:
             return quantize(x[:, :, :n])
         src, done = self._last.get(what, (None, None))
         if src is not None and not (src.shape[2] <= n and _same_bits(src, x[:, :, :src.shape[2]])):
-            src = done = None
+            done = None
         if done is None:
             done = quantize(x[:, :, :n])
         elif done.shape[2] < n:

@@ -105,7 +105,6 @@ def test_quantized_token_does_not_change_as_the_cache_grows(name):
         assert torch.equal(v_s[:, :, :n_old], v_full[:, :, :n_old])
 
 
-
 OTHER_SCHEMES = {  # a float window, and elements whose scales span groups (no reuse)
     "int4 + window": kv.KVScheme(name="int4 + window", element="int4", window=kv.WINDOW),
     "nvfp4": kv.KVScheme(name="nvfp4", element="nvfp4", group=16),
