@@ -173,15 +173,18 @@ def test_properties(x, scheme, gran):
     inside = (x >= s * (grid.qmin - z)) & (x <= s * (grid.qmax - z))  # the grid's range
     err = (x - x_hat).abs()
     assert torch.all((err <= s / 2 * (1 + 1e-3) + 1e-6 * x.abs())[inside])
-    # A second pass, where the group's scale is a normal fp16 number (>= 2**-14). A
-    # subnormal one keeps fewer significant bits: absmax / s can round below qmax (to 125
-    # in the int8 example above, which this test found), the second pass then picks
-    # another scale, and only the half-step bound above holds, as for any input.
+    # A second pass, where the group's scale is a normal fp16 number (>= 2**-14) or 0 (an
+    # all-zero group). A subnormal one keeps fewer significant bits: absmax / s can round
+    # below qmax (125.4 in the int8 example above, found by a random run of this test),
+    # and a second scale that rounds down makes the asymmetric pass clip its top levels;
+    # the second pass then picks another scale, and only the half-step bound above holds,
+    # as for any input.
     again = qlab.fake_quantize(x_hat, scheme, gran)
-    normal = (s >= 2**-14).expand_as(x)
+    normal = ((s >= 2**-14) | (s == 0)).expand_as(x)
     if qt.zero_points is None:
-        # symmetric: s has 11 significant bits, so absmax / s rounds to qmax, the new
-        # absmax is qmax * s (exact in float32), and the same s comes back: bit for bit
+        # symmetric: s is absmax / qmax within 2**-11 relative, so absmax / s is within
+        # qmax * 2**-11 < 1/2 of qmax (qmax <= 127) and rounds to it; the new absmax is
+        # qmax * s (exact in float32), and the same s comes back: bit for bit
         assert torch.equal(again[normal], x_hat[normal])
     else:
         # asymmetric: the rounded zero point can drop the top level of the range, so the
