@@ -43,7 +43,8 @@ test: setup llamacpp
 	QLAB_LLAMACPP=require $(BIN)/python -m pytest $(PYTEST_N) tests solutions $(PYTEST_NB)
 
 # the inner loop: every test not marked slow (no notebook runs, no builds); measured 45 s
-# of pytest on two idle cores of an AMD EPYC, 76-80 s on two of a 2.0 GHz Intel Xeon
+# of pytest on two idle AMD EPYC cores (at cca84ac, fewer tests), 76 s (81 s with make) on
+# two idle 2.0 GHz Intel Xeon cores (at d7c71d8)
 test-fast: setup
 	$(BIN)/python -m pytest $(PYTEST_N) tests -m "not slow"
 

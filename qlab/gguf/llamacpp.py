@@ -379,9 +379,9 @@ def _export_tinylm(
 INSTALL_HINT = (
     "llama-cpp-python is not installed: build it once with `make llamacpp` (or "
     "`pip install -e .[llamacpp]`): pip compiles llama.cpp from source (measured on two idle "
-    "cores: 2.5 minutes with the Makefile's flags; without them pip also compiles llama.cpp's "
-    "common/ library, cpp-httplib and libmtmd, more than twice the compile units, so expect "
-    "longer; pip caches the wheel for later installs)"
+    "cores: 2.5-4 minutes with the Makefile's flags, by CPU; without them pip also compiles "
+    "llama.cpp's common/ library, cpp-httplib and libmtmd, more than twice the compile units, "
+    "so expect longer; pip caches the wheel for later installs)"
 )
 
 
