@@ -43,7 +43,7 @@ test: setup llamacpp
 	QLAB_LLAMACPP=require $(BIN)/python -m pytest $(PYTEST_N) tests solutions $(PYTEST_NB)
 
 # the inner loop: every test not marked slow (no notebook runs, no builds); measured 45 s
-# of pytest on two idle AMD EPYC cores (at cca84ac, fewer tests), 76 s (81 s with make) on
+# of pytest on two idle AMD EPYC cores (at cca84ac, older code), 76 s (81 s with make) on
 # two idle 2.0 GHz Intel Xeon cores (at d7c71d8)
 test-fast: setup
 	$(BIN)/python -m pytest $(PYTEST_N) tests -m "not slow"
@@ -65,7 +65,7 @@ clean:
 # compile again. Measured cold build, native (before the rule below): 2 min 25 s on two idle
 # AMD EPYC cores (256 s user + 12 s system CPU; with common/ and cpp-httplib, 5 min 45 s
 # and 655 s); the portable build, on two idle 2.0 GHz Xeon cores (a machine that ran the
-# test suite 2.2 times slower): 3 min 44 s (390 s user + 16 s system).
+# test suite 2.1-2.3 times as long): 3 min 44 s (390 s user + 16 s system).
 # On Linux x86-64 CPUs with AVX2, FMA, F16C and BMI2, ggml's CPU code is built for those
 # (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C, unless SOURCE_DATE_EPOCH is set,
 # which leaves plain x86-64; no AVX-512, no AMX) rather than for

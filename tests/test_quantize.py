@@ -175,14 +175,14 @@ def test_properties(x, scheme, gran):
     assert torch.all((err <= s / 2 * (1 + 1e-3) + 1e-6 * x.abs())[inside])
     # A second pass, where the group's scale is a normal fp16 number (>= 2**-14) or 0 (an
     # all-zero group). A subnormal one keeps fewer significant bits: absmax / s can round
-    # below qmax (125.4 in the int8 example above, found by a random run of this test),
-    # and a second scale that rounds down makes the asymmetric pass clip its top levels;
-    # the second pass then picks another scale, and only the half-step bound above holds,
-    # as for any input.
+    # below qmax (125.4 in the int8 example above, found by a random run of this test), so
+    # the symmetric second pass finds a smaller absmax and another scale; an asymmetric
+    # second scale that rounds down clips the top levels by more than a step. For these
+    # groups only the half-step bound above is checked, as for any input.
     again = qlab.fake_quantize(x_hat, scheme, gran)
     normal = ((s >= 2**-14) | (s == 0)).expand_as(x)
     if qt.zero_points is None:
-        # symmetric: s is absmax / qmax within 2**-11 relative, so absmax / s is within
+        # symmetric: s is absmax / qmax within about 2**-11 relative, so absmax / s is within
         # qmax * 2**-11 < 1/2 of qmax (qmax <= 127) and rounds to it; the new absmax is
         # qmax * s (exact in float32), and the same s comes back: bit for bit
         assert torch.equal(again[normal], x_hat[normal])
