@@ -116,3 +116,66 @@ def test_bad_files(tmp_path):
         G.export({"w": torch.randn(4, 64)}, tmp_path / "x.gguf", {"v": "Q4_0"})
     with pytest.raises(ValueError, match="unknown recipe"):
         G.export({"w": torch.randn(4, 64)}, tmp_path / "x.gguf", "Q4_K_XL")
+
+
+class _GenericReader(gguf.GGUFReader):
+    """gguf's own parsing, element by element, over the same plain view of the bytes."""
+
+    @property
+    def data(self):
+        return self._bytes
+
+    @data.setter
+    def data(self, mapped):
+        self._bytes = mapped.view(np.ndarray)
+
+
+def test_arrays_parse_as_gguf_parses_them(tmp_path):
+    """qlab's reader parses arrays in one pass (qlab/gguf/file.py _Reader): every field, part,
+    index, type and value as gguf's generic code gives them, for arrays of strings, numbers
+    and bools, an empty array and an array of arrays; a cut array is a GGUFError."""
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), arch="qlab")
+    w.add_array("strings", ["a", "", "héllo", "x" * 300, "[PAD]"])
+    w.add_array("int32", [3, -1, 2**31 - 1])
+    w.add_array("float32", [0.5, -2.0, float("nan")])
+    w.add_array("bools", [True, False, True])
+    w.add_array("empty", [7])  # made empty below: gguf's writer drops empty arrays
+    w.add_array("nested", [[1, 2], [3]])  # arrays of arrays: gguf's own code parses them
+    w.add_string("plain", "text")
+    w.add_uint32("number", 7)
+    w.add_tensor("w", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()  # "empty": an INT32 array of 1 value -> of 0, 4 more bytes of padding
+    one = struct.pack("<IIQi", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32, 1, 7)
+    at, start = data.index(b"empty" + one) + 5, _GenericReader(str(path)).data_offset
+    head = data[:at] + one[:8] + bytes(8) + data[at + 20 : start]  # 4 bytes shorter: pad
+    path.write_bytes(head + bytes(4) + data[start:])
+    ours, theirs = G.read(path), _GenericReader(str(path))
+    assert theirs.data_offset == start  # the tensor data where it was
+    assert list(ours.fields) == list(theirs.fields)
+    for key, a in theirs.fields.items():
+        b = ours.fields[key]
+        assert (b.offset, b.name, b.types, b.data) == (a.offset, a.name, a.types, a.data), key
+        assert [(p.dtype, p.shape, p.tobytes()) for p in b.parts] == [
+            (p.dtype, p.shape, p.tobytes()) for p in a.parts
+        ], key
+    values = G.metadata(path)
+    assert values["strings"] == ["a", "", "héllo", "x" * 300, "[PAD]"]
+    assert values["int32"] == [3, -1, 2**31 - 1] and values["bools"] == [True, False, True]
+    assert values["float32"][:2] == [0.5, -2.0] and values["float32"][2] != values["float32"][2]
+    assert values["empty"] == [] and values["number"] == 7
+    assert ours.data_offset == theirs.data_offset
+    assert torch.equal(G.load(path)["w"].dequantize(), torch.arange(8, dtype=torch.float32))
+
+    data = path.read_bytes()
+    for key in ("strings", "int32"):  # a count past the end of the file: an error, at once
+        count_at = theirs.fields[key].offset + 8 + len(key) + 4 + 4
+        assert struct.unpack_from("<Q", data, count_at)[0] == len(values[key])
+        bad = tmp_path / f"count-{key}.gguf"
+        bad.write_bytes(data[:count_at] + struct.pack("<Q", 2**40) + data[count_at + 8 :])
+        with pytest.raises(G.GGUFError, match="could not be read"):
+            G.load(bad)
