@@ -118,30 +118,27 @@ def test_bad_files(tmp_path):
         G.export({"w": torch.randn(4, 64)}, tmp_path / "x.gguf", "Q4_K_XL")
 
 
-class _GenericReader(gguf.GGUFReader):
-    """gguf's own parsing, element by element, over the same plain view of the bytes."""
+class _GenericReader(G.file._Reader):
+    """qlab's reader with gguf's own array parsing, element by element (it calls itself)."""
 
-    @property
-    def data(self):
-        return self._bytes
-
-    @data.setter
-    def data(self, mapped):
-        self._bytes = mapped.view(np.ndarray)
+    _get_field_parts = gguf.GGUFReader._get_field_parts
 
 
 def test_arrays_parse_as_gguf_parses_them(tmp_path):
     """qlab's reader parses arrays in one pass (qlab/gguf/file.py _Reader): every field, part,
-    index, type and value as gguf's generic code gives them, for arrays of strings, numbers
-    and bools, an empty array and an array of arrays; a cut array is a GGUFError."""
+    index, type and value as gguf's generic code gives them, for arrays of strings and of
+    every scalar type, an empty array and an array of arrays; a count past the end of the
+    file is a GGUFError."""
     path = tmp_path / "arrays.gguf"
     w = gguf.GGUFWriter(str(path), arch="qlab")
     w.add_array("strings", ["a", "", "héllo", "x" * 300, "[PAD]"])
     w.add_array("int32", [3, -1, 2**31 - 1])
     w.add_array("float32", [0.5, -2.0, float("nan")])
     w.add_array("bools", [True, False, True])
+    for vtype in gguf.GGUFReader.gguf_scalar_to_np:  # every other item type too
+        w.add_key_value(f"array-{vtype.name}", [0, 1, 1], gguf.GGUFValueType.ARRAY, vtype)
     w.add_array("empty", [7])  # made empty below: gguf's writer drops empty arrays
-    w.add_array("nested", [[1, 2], [3]])  # arrays of arrays: gguf's own code parses them
+    w.add_array("nested", [[1, 2], [3]])  # the outer array through gguf's code
     w.add_string("plain", "text")
     w.add_uint32("number", 7)
     w.add_tensor("w", np.arange(8, dtype=np.float32))
@@ -157,6 +154,8 @@ def test_arrays_parse_as_gguf_parses_them(tmp_path):
     ours, theirs = G.read(path), _GenericReader(str(path))
     assert theirs.data_offset == start  # the tensor data where it was
     assert list(ours.fields) == list(theirs.fields)
+    for vtype in gguf.GGUFReader.gguf_scalar_to_np:  # each written as that type
+        assert theirs.fields[f"array-{vtype.name}"].types == [gguf.GGUFValueType.ARRAY, vtype]
     for key, a in theirs.fields.items():
         b = ours.fields[key]
         assert (b.offset, b.name, b.types, b.data) == (a.offset, a.name, a.types, a.data), key
@@ -168,7 +167,6 @@ def test_arrays_parse_as_gguf_parses_them(tmp_path):
     assert values["int32"] == [3, -1, 2**31 - 1] and values["bools"] == [True, False, True]
     assert values["float32"][:2] == [0.5, -2.0] and values["float32"][2] != values["float32"][2]
     assert values["empty"] == [] and values["number"] == 7
-    assert ours.data_offset == theirs.data_offset
     assert torch.equal(G.load(path)["w"].dequantize(), torch.arange(8, dtype=torch.float32))
 
     data = path.read_bytes()
