@@ -1,9 +1,10 @@
 """Known-wrong implementations and submission builders for the grader's tests.
 
 MUTANTS[grade_id] = [(name, cell source), ...]: each replaces that task's solution cell
-and must cost exactly that task's points (and fail `check` on every seed). Every chapter
-keeps its bank in ``tests/grading/mutants_<chapter>.py`` (a module with a ``MUTANTS`` dict
-of that form, one mutant per spec clause of its tasks); they are merged in below.
+and must fail `check` on every seed tried, and cost exactly that task's points in the
+notebooks the class runs grade. Every chapter keeps its bank in
+``tests/grading/mutants_<chapter>.py`` (a module with a ``MUTANTS`` dict of that form,
+one mutant per spec clause of its tasks); they are merged in below.
 Submissions are built from solutions/ by swapping cell sources, so they track the
 solution notebooks automatically.
 """

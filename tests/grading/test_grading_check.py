@@ -52,10 +52,20 @@ MUTANT_IDS = [(g, i) for g in sorted(MUTANTS) for i in range(len(MUTANTS[g]))]
 
 
 @pytest.mark.parametrize("gid,i", MUTANT_IDS, ids=[f"{g}-{i}" for g, i in MUTANT_IDS])
-def test_mutant_fails_on_every_seed(gid, i, capsys):
+def test_mutant_fails_on_every_seed(gid, i, capsys, monkeypatch):
+    """It fails on every seed, for its own reason: it calls no reference, and the other
+    tasks of its notebook still pass (its cell breaks no other cell)."""
     name, source = MUTANTS[gid][i]
     task = all_tasks()[gid]
     ns = _namespace(with_cells(load(task.assignment), {f"{gid}_solution": source}))
+    borrowed = []
+
+    def spy(*args, **kwargs):  # check()'s evaluate, which records reference calls
+        result = evaluate(*args, **kwargs)
+        borrowed.extend(result.uses_reference)
+        return result
+
+    monkeypatch.setattr(importlib.import_module("qlab.grading.check"), "evaluate", spy)
     seeds = KERNEL_MUTANT_SEEDS if task.kernel_env else MUTANT_SEEDS
     for seed in seeds:
         with pytest.raises(CheckFailed):
@@ -64,6 +74,10 @@ def test_mutant_fails_on_every_seed(gid, i, capsys):
     assert out.count("FAIL") == len(seeds), name
     assert "expected" in out or "raised" in out or "crashed" in out, name
     assert "NameError" not in out and "not implemented" not in out, f"broken mutant: {name}"
+    assert not borrowed, f"{name} calls {sorted(set(borrowed))}"
+    for other in assignments()[task.assignment]:  # one seed each (kernel tasks: 08-10 only)
+        if other != gid and not all_tasks()[other].kernel_env:
+            check(other, ns[all_tasks()[other].func_name], seed=seeds[0], quiet=True)
 
 
 def _clauses(module) -> set[str]:

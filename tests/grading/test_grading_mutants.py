@@ -1,13 +1,18 @@
-"""`qlab grade` end to end on a class of generated submissions (real kernels, --jobs 2).
+"""`qlab grade` end to end on a class of generated submissions (real kernels).
 
-The notebooks carrying the first two known-wrong implementations of every task of
-chapters 01-07, the wrong variants below, every tampering trick and crash must cost
-exactly their tasks' points; the solutions get full marks; the untouched exercises get
-zero; a malformed file gets a row of zeros; and the run resumes without regrading.
-Every mutant of the banks fails `check` on every seed in test_grading_check.py, which
-uses the same Task and comparator. Each submission costs a kernel (3.35 s of
-CPU per submission, measured on a 2.0 GHz Xeon), so the class grades two mutants per
-task, not all 128 of chapters 01-07.
+The solutions get full marks; the untouched exercises get zero; a malformed file gets a row
+of zeros; two mutant notebooks per chapter 01-07, the wrong variants below and every
+tampering trick and crash cost exactly their tasks' points; and the run resumes without
+regrading.
+
+grading_bank.mutant_notebooks puts the 128 mutants of chapters 01-07 into 66 notebooks
+(the i-th carries the i-th mutant of each task). test_grading_check.py runs every mutant
+through `check` (the same Task, case generator and comparator as here) on every seed it
+tries, and checks that, swapped alone into the solution notebook, it borrows no reference
+and leaves the notebook's other tasks passing. A notebook here costs a kernel start or more
+(3.35 CPU s per submission, measured on a 2-core 2.0 GHz Xeon), so the class grades two of
+them per chapter: mutant0 (every task's first mutant) and the first notebook in which some
+task keeps its solution.
 """
 
 from __future__ import annotations
@@ -198,8 +203,8 @@ def w8a8_matmul(x, w):
 
 
 # The student variants that issue 24 found passing in chapters 12-15, graded end to end
-# (chapters 01-07 grade the first two mutants of each task above; test_grading_check.py
-# runs all of them through `check` on 24 seeds): name -> (assignment, {grade_id: mutant name}).
+# (chapters 01-07 grade two mutant notebooks each, above; test_grading_check.py runs every
+# mutant through `check` on 24 seeds): name -> (assignment, {grade_id: mutant name}).
 VARIANTS = {
     "variant_halfaway_12_outliers": (
         "12_outliers",
@@ -240,19 +245,31 @@ VARIANTS = {
          "kv_budget": "B2: the query heads (n_heads) cached"},
     ),
 }
-FIRST_TWO = ("mutant0_", "mutant1_")  # the notebooks of each task's first and second mutant
 GRADED = CORE_ASSIGNMENTS + tuple(sorted({a for a, _ in VARIANTS.values()}))
 
 
+def _graded_mutants() -> dict:
+    """Per chapter 01-07, two of grading_bank.mutant_notebooks: mutant0 (a mutant in every
+    task) and mutant<n>, n = the smallest bank of its tasks: the first notebook in which
+    a task keeps its solution, which must keep its points beside the mutants."""
+    notebooks = mutant_notebooks()
+    out = {}
+    for a in CORE_ASSIGNMENTS:
+        n = min(len(MUTANTS[g]) for g in assignments()[a])
+        assert f"mutant{n}_{a}" in notebooks, f"{a}: give one task more mutants than the others"
+        out.update({k: notebooks[k] for k in (f"mutant0_{a}", f"mutant{n}_{a}")})
+    return out
+
+
 def _all_cases():
-    """Chapters 01-07 (the notebooks carrying each task's first and second mutant), and
-    the listed variants of 12-15; the kernel chapters grade their own class in their own
-    test module (grading_bank.mutant_notebooks(("08_...",)) builds theirs)."""
+    """Chapters 01-07 (two mutant notebooks each: _graded_mutants), and the listed variants
+    of 12-15; 12-16 grade theirs in test_grading_part3.py, the kernel chapters in
+    tests/kernels/test_kernel_exercises.py."""
     cases = {}  # name -> (assignment, notebook or raw text, zero-scoring grade_ids)
     for a in CORE_ASSIGNMENTS:
         cases[f"solution_{a}"] = (a, load(a), set())
         cases[f"exercise_{a}"] = (a, load(a, EXERCISES), set(assignments()[a]))
-    cases.update({k: v for k, v in mutant_notebooks().items() if k.startswith(FIRST_TWO)})
+    cases.update(_graded_mutants())
     for name, (a, picks) in VARIANTS.items():
         swap = {f"{g}_solution": dict(MUTANTS[g])[m] for g, m in picks.items()}
         cases[name] = (a, with_cells(load(a), swap), set(picks))

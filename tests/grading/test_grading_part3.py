@@ -3,7 +3,7 @@
 test_grading_check.py runs each solution and every known-wrong implementation of these
 chapters through `check` on many seeds; here real (sandboxed) kernels grade, per
 assignment, the solution (full marks), the untouched exercise (zero) and the notebook
-carrying the first mutant of every task (loses exactly those tasks' points)."""
+carrying the first mutant of every task (zero: each task loses its points)."""
 
 import pytest
 from grading_bank import EXERCISES, ClassRun, load, mutant_notebooks
