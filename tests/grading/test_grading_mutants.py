@@ -9,10 +9,10 @@ grading_bank.mutant_notebooks puts the 128 mutants of chapters 01-07 into 66 not
 (the i-th carries the i-th mutant of each task). test_grading_check.py runs every mutant
 through `check` (the same Task, case generator and comparator as here) on every seed it
 tries, and checks that, swapped alone into the solution notebook, it borrows no reference
-and leaves the notebook's other tasks passing. A notebook here costs a kernel start or more
-(3.35 CPU s per submission, measured on a 2-core 2.0 GHz Xeon), so the class grades two of
-them per chapter: mutant0 (every task's first mutant) and the first notebook in which some
-task keeps its solution.
+and leaves the notebook's other tasks passing (on one seed; kernel tasks are not rerun).
+A notebook here costs a kernel start or more (3.35 CPU s per submission, measured on a
+2-core 2.0 GHz Xeon), so the class grades two of them per chapter: mutant0 (every task's
+first mutant) and the first notebook in which some task keeps its solution.
 """
 
 from __future__ import annotations
@@ -202,9 +202,10 @@ def w8a8_matmul(x, w):
 }
 
 
-# The student variants that issue 24 found passing in chapters 12-15, graded end to end
-# (chapters 01-07 grade two mutant notebooks each, above; test_grading_check.py runs every
-# mutant through `check` on 24 seeds): name -> (assignment, {grade_id: mutant name}).
+# Wrong student variants of chapters 12-16, graded end to end (those issue 24 found passing
+# in 12-15, and chapter 16's; chapters 01-07 grade two mutant notebooks each, above;
+# test_grading_check.py runs every mutant through `check`, on 24 seeds, 3 for a kernel
+# task): name -> (assignment, {grade_id: mutant name}).
 VARIANTS = {
     "variant_halfaway_12_outliers": (
         "12_outliers",
@@ -263,7 +264,7 @@ def _graded_mutants() -> dict:
 
 def _all_cases():
     """Chapters 01-07 (two mutant notebooks each: _graded_mutants), and the listed variants
-    of 12-15; 12-16 grade theirs in test_grading_part3.py, the kernel chapters in
+    of 12-16; 12-16 grade theirs in test_grading_part3.py, the kernel chapters in
     tests/kernels/test_kernel_exercises.py."""
     cases = {}  # name -> (assignment, notebook or raw text, zero-scoring grade_ids)
     for a in CORE_ASSIGNMENTS:
