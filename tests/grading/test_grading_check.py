@@ -59,7 +59,8 @@ def test_mutant_fails_on_every_seed(gid, i, capsys, monkeypatch):
     name, source = MUTANTS[gid][i]
     task = all_tasks()[gid]
     # as `qlab grade` does, wrap the references before the cells run, so that a cell that
-    # binds one early (a default argument, `from qlab import quantize as q`) is seen too
+    # holds one where check() cannot rebind it (a default argument, a closure, a dict or a
+    # functools.partial holding qlab.quantize) is seen too
     wire.install_watch(sorted({n for g in assignments()[task.assignment]
                                for n in all_tasks()[g].implements}))  # fmt: skip
     ns = _namespace(with_cells(load(task.assignment), {f"{gid}_solution": source}))

@@ -6,13 +6,13 @@ tampering trick and crash cost exactly their tasks' points; and the run resumes 
 regrading.
 
 grading_bank.mutant_notebooks puts the 128 mutants of chapters 01-07 into 66 notebooks
-(the i-th carries the i-th mutant of each task). test_grading_check.py runs every mutant
-through `check` (the same Task, case generator and comparator as here) on every seed it
-tries, and checks that, swapped alone into the solution notebook, it borrows no reference
-and leaves the notebook's other tasks passing (on one seed; kernel tasks are not rerun).
-A notebook here costs a kernel start or more (3.35 CPU s per submission, measured on a
-2-core 2.0 GHz Xeon), so the class grades two of them per chapter: mutant0 (every task's
-first mutant) and the first notebook in which some task keeps its solution.
+(the i-th carries the i-th mutant of each task that has one). test_grading_check.py runs
+every mutant through `check` (the same Task, case generator and comparator as here) on
+every seed it tries, and checks that, swapped alone into the solution notebook, it borrows
+no reference and leaves the notebook's other tasks passing (on one seed; kernel tasks are
+not rerun). A notebook here costs a kernel start or more (3.35 CPU s per submission,
+measured on a 2-core 2.0 GHz Xeon), so the class grades two of them per chapter: mutant0
+(every task's first mutant) and the first notebook in which some task keeps its solution.
 """
 
 from __future__ import annotations
@@ -203,9 +203,9 @@ def w8a8_matmul(x, w):
 
 
 # Wrong student variants of chapters 12-16, graded end to end (those issue 24 found passing
-# in 12-15, and chapter 16's; chapters 01-07 grade two mutant notebooks each, above;
-# test_grading_check.py runs every mutant through `check`, on 24 seeds, 3 for a kernel
-# task): name -> (assignment, {grade_id: mutant name}).
+# in 12-15, and chapter 16's; chapters 01-07 grade two mutant notebooks each, see
+# _graded_mutants; test_grading_check.py runs every mutant through `check`, on 24 seeds,
+# 3 for a kernel task): name -> (assignment, {grade_id: mutant name}).
 VARIANTS = {
     "variant_halfaway_12_outliers": (
         "12_outliers",
@@ -264,7 +264,8 @@ def _graded_mutants() -> dict:
 
 def _all_cases():
     """Chapters 01-07 (two mutant notebooks each: _graded_mutants), and the listed variants
-    of 12-16; 12-16 grade theirs in test_grading_part3.py, the kernel chapters in
+    of 12-16. The solutions, exercises and mutant0 notebooks of 12-16 are graded in
+    test_grading_part3.py, those of the kernel chapters in
     tests/kernels/test_kernel_exercises.py."""
     cases = {}  # name -> (assignment, notebook or raw text, zero-scoring grade_ids)
     for a in CORE_ASSIGNMENTS:
