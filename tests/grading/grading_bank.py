@@ -2,9 +2,9 @@
 
 MUTANTS[grade_id] = [(name, cell source), ...]: each replaces that task's solution cell
 and must fail `check` on every seed tried, and cost exactly that task's points in the
-notebooks the class runs grade. Every chapter keeps its bank in
-``tests/grading/mutants_<chapter>.py`` (a module with a ``MUTANTS`` dict of that form,
-one mutant per spec clause of its tasks); they are merged in below.
+notebooks the class runs grade. Each chapter's bank is a ``tests/grading/mutants_*.py``
+module (a ``MUTANTS`` dict of that form, one mutant per spec clause of its tasks; chapters
+08-10 share ``mutants_kernels.py``); they are merged in below.
 Submissions are built from solutions/ by swapping cell sources, so they track the
 solution notebooks automatically.
 """

@@ -53,9 +53,11 @@ MUTANT_IDS = [(g, i) for g in sorted(MUTANTS) for i in range(len(MUTANTS[g]))]
 
 @pytest.mark.parametrize("gid,i", MUTANT_IDS, ids=[f"{g}-{i}" for g, i in MUTANT_IDS])
 def test_mutant_fails_on_every_seed(gid, i, capsys, monkeypatch):
-    """It fails on every seed, for its own reason: it calls no reference, and the other
-    tasks of its notebook still pass on one seed (its cell breaks no other cell; kernel
-    tasks, chapters 08-10, are not rerun for this)."""
+    """It fails on every seed as a working but wrong function (no NameError, no stub),
+    without calling its task's references (its `implements` or the registry's reference;
+    not seen in a check that ends in a crash); and swapped alone into the solution
+    notebook, its cell breaks no other task: they pass on one seed (kernel tasks, chapters
+    08-10, are not rerun for this)."""
     name, source = MUTANTS[gid][i]
     task = all_tasks()[gid]
     # as `qlab grade` does, wrap the references before the cells run, so that a cell that
@@ -66,7 +68,7 @@ def test_mutant_fails_on_every_seed(gid, i, capsys, monkeypatch):
     ns = _namespace(with_cells(load(task.assignment), {f"{gid}_solution": source}))
     borrowed = []
 
-    def spy(*args, **kwargs):  # check()'s evaluate, which records reference calls
+    def spy(*args, **kwargs):  # check()'s evaluate: reports the reference calls recorded
         result = evaluate(*args, **kwargs)
         borrowed.extend(result.uses_reference)
         return result

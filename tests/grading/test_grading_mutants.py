@@ -1,18 +1,19 @@
 """`qlab grade` end to end on a class of generated submissions (real kernels).
 
 The solutions get full marks; the untouched exercises get zero; a malformed file gets a row
-of zeros; two mutant notebooks per chapter 01-07, the wrong variants below and every
-tampering trick and crash cost exactly their tasks' points; and the run resumes without
-regrading.
+of zeros; two mutant notebooks per chapter 01-07, the wrong variants below, every
+tampering trick and every crashing function cost exactly their tasks' points (crashing
+top-level cells cost none); and the run resumes without regrading.
 
 grading_bank.mutant_notebooks puts the 128 mutants of chapters 01-07 into 66 notebooks
 (the i-th carries the i-th mutant of each task that has one). test_grading_check.py runs
 every mutant through `check` (the same Task, case generator and comparator as here) on
-every seed it tries, and checks that, swapped alone into the solution notebook, it borrows
-no reference and leaves the notebook's other tasks passing (on one seed; kernel tasks are
-not rerun). A notebook here costs a kernel start or more (3.35 CPU s per submission,
-measured on a 2-core 2.0 GHz Xeon), so the class grades two of them per chapter: mutant0
-(every task's first mutant) and the first notebook in which some task keeps its solution.
+every seed it tries, and checks that it calls none of its task's references and that,
+swapped alone into the solution notebook, it leaves the other tasks passing (on one seed;
+kernel tasks are not rerun). A notebook here costs a kernel start or more (3.35 CPU s per
+submission, measured on a 2-core 2.0 GHz Xeon), so the class grades two of them per
+chapter: mutant0 (every task's first mutant) and the first notebook in which some task
+keeps its solution.
 """
 
 from __future__ import annotations
