@@ -3,7 +3,7 @@
 MUTANTS[grade_id] = [(name, cell source), ...]: each replaces that task's solution cell
 and must fail `check` on every seed tried, and cost exactly that task's points in the
 notebooks the class runs grade. Each chapter's bank is a ``tests/grading/mutants_*.py``
-module (a ``MUTANTS`` dict of that form, one mutant per spec clause of its tasks; chapters
+module (a ``MUTANTS`` dict of that form, at least one mutant per spec clause; chapters
 08-10 share ``mutants_kernels.py``); they are merged in below.
 Submissions are built from solutions/ by swapping cell sources, so they track the
 solution notebooks automatically.
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "solutions"
 EXERCISES = ROOT / "exercises"
 
-# grade_id -> [(name, cell source), ...], merged below from every mutants_<chapter>.py
+# grade_id -> [(name, cell source), ...], merged below from every mutants_*.py
 MUTANTS: dict[str, list[tuple[str, str]]] = {}
 
 

@@ -53,9 +53,9 @@ MUTANT_IDS = [(g, i) for g in sorted(MUTANTS) for i in range(len(MUTANTS[g]))]
 
 @pytest.mark.parametrize("gid,i", MUTANT_IDS, ids=[f"{g}-{i}" for g, i in MUTANT_IDS])
 def test_mutant_fails_on_every_seed(gid, i, capsys, monkeypatch):
-    """It fails on every seed as a working but wrong function (no NameError, no stub),
-    without calling its task's references (its `implements` or the registry's reference;
-    not seen in a check that ends in a crash); and swapped alone into the solution
+    """It fails on every seed (a wrong value, an error or a crash; never a NameError or a
+    stub), without calling its task's `implements` or any task's registry reference (not
+    seen in a check that ends in a crash); and swapped alone into the solution
     notebook, its cell breaks no other task: they pass on one seed (kernel tasks, chapters
     08-10, are not rerun for this)."""
     name, source = MUTANTS[gid][i]
@@ -109,7 +109,7 @@ def test_every_listed_clause_has_a_mutant(module_name):
 
 def test_every_task_has_mutants_and_a_solution_notebook():
     """Every registered task needs a solution notebook and >= 2 known-wrong implementations
-    (in grading_bank.MUTANTS or a tests/grading/mutants_<chapter>.py module)."""
+    (grading_bank.MUTANTS, merged from the tests/grading/mutants_*.py modules)."""
     no_notebook = [a for a in assignments() if not (SOLUTIONS / f"{a}.ipynb").exists()]
     few = [g for gids in assignments().values() for g in gids if len(MUTANTS.get(g, [])) < 2]
     assert not no_notebook, f"assignments without solutions/<name>.ipynb: {no_notebook}"

@@ -5,15 +5,16 @@ of zeros; two mutant notebooks per chapter 01-07, the wrong variants below, ever
 tampering trick and every crashing function cost exactly their tasks' points (crashing
 top-level cells cost none); and the run resumes without regrading.
 
-grading_bank.mutant_notebooks puts the 128 mutants of chapters 01-07 into 66 notebooks
-(the i-th carries the i-th mutant of each task that has one). test_grading_check.py runs
-every mutant through `check` (the same Task, case generator and comparator as here) on
-every seed it tries, and checks that it calls none of its task's references and that,
-swapped alone into the solution notebook, it leaves the other tasks passing (on one seed;
-kernel tasks are not rerun). A notebook here costs a kernel start or more (3.35 CPU s per
-submission, measured on a 2-core 2.0 GHz Xeon), so the class grades two of them per
-chapter: mutant0 (every task's first mutant) and the first notebook in which some task
-keeps its solution.
+grading_bank.mutant_notebooks puts the mutants of chapters 01-07 (128 today) into as many
+notebooks as a chapter's largest bank (66 today; the i-th carries the i-th mutant of each
+task that has one). test_grading_check.py runs every mutant through `check` (the same Task,
+case generator and comparator as here) on every seed it tries, and checks that it calls
+none of its task's references (unless the check crashes) and that, swapped alone into the
+solution notebook, it leaves the other tasks passing (on one seed; kernel tasks are not
+rerun). A notebook here costs a kernel start or more (about 3 CPU s per submission beyond a
+run's fixed 12 s: the busy CPU of `qlab grade` runs of several sizes on a 2-core 2.0 GHz
+Xeon), so the class grades two of them per chapter: mutant0 (every task's first mutant) and
+the first notebook in which some task keeps its solution.
 """
 
 from __future__ import annotations
