@@ -53,12 +53,15 @@ MUTANT_IDS = [(g, i) for g in sorted(MUTANTS) for i in range(len(MUTANTS[g]))]
 
 @pytest.mark.parametrize("gid,i", MUTANT_IDS, ids=[f"{g}-{i}" for g, i in MUTANT_IDS])
 def test_mutant_fails_on_every_seed(gid, i, capsys, monkeypatch):
+    _assert_fails_for_its_own_reason(gid, *MUTANTS[gid][i], capsys, monkeypatch)
+
+
+def _assert_fails_for_its_own_reason(gid, name, source, capsys, monkeypatch):
     """It fails on every seed (a wrong value, an error or a crash; never a NameError or a
     stub), without calling its task's `implements` or any task's registry reference (not
     seen in a check that ends in a crash); and swapped alone into the solution
     notebook, its cell breaks no other task: they pass on one seed (kernel tasks, chapters
     08-10, are not rerun for this)."""
-    name, source = MUTANTS[gid][i]
     task = all_tasks()[gid]
     # as `qlab grade` does, wrap the references before the cells run, so that a cell that
     # holds one where check() cannot rebind it (a default argument, a closure, a dict or a
@@ -86,6 +89,32 @@ def test_mutant_fails_on_every_seed(gid, i, capsys, monkeypatch):
     for other in assignments()[task.assignment]:
         if other != gid and not all_tasks()[other].kernel_env:
             check(other, ns[all_tasks()[other].func_name], seed=seeds[0], quiet=True)
+
+
+# Two mutants a bank must not hold: both fail every check (a float32 scale), but one
+# also...
+_SYM = "def symmetric_quantize(x, bits, _q=qlab.quantize):\n"
+BAD_MUTANTS = {  # name -> (cell source, what the test must say)
+    # ... calling the qlab function the task asks for (a default argument binds it before
+    # check() runs: only the early wrap sees it)
+    "borrows": ("import qlab\n" + _SYM + (
+        "    qt = _q(x, qlab.int_scheme(bits, True))\n"
+        "    return qt.codes.reshape(x.shape).to(torch.int8), qt.scales.reshape(()).float()\n"
+    ), r"borrows calls \['qlab.quantize'\]"),
+    # ... breaking the next task's cell (asym_quantize reads the notebook's torch)
+    "breaks asym_quantize": ((
+        "def symmetric_quantize(x, bits):\n"
+        "    return torch.zeros_like(x, dtype=torch.int8), torch.tensor(0.5)\n"
+        "torch = None\n"
+    ), "FAIL asym_quantize"),
+}
+
+
+@pytest.mark.parametrize("why", sorted(BAD_MUTANTS))
+def test_a_mutant_that_borrows_or_breaks_another_task_is_refused(why, capsys, monkeypatch):
+    source, says = BAD_MUTANTS[why]
+    with pytest.raises((AssertionError, CheckFailed), match=says):
+        _assert_fails_for_its_own_reason("sym_quantize", why, source, capsys, monkeypatch)
 
 
 def _clauses(module) -> set[str]:
