@@ -91,10 +91,11 @@ def _assert_fails_for_its_own_reason(gid, name, source, capsys, monkeypatch):
             check(other, ns[all_tasks()[other].func_name], seed=seeds[0], quiet=True)
 
 
-# Two mutants a bank must not hold. Run alone (`-k refused`), "borrows" also shows that
-# the early wrap is needed; in a whole session an earlier check() has already wrapped
-# qlab.quantize for the process.
-BAD_MUTANTS = {  # id -> (sym_quantize's cell, what the refusal says)
+# Two mutants a bank must not hold. Run alone (`-k refused`), "borrows" also shows that the
+# helper's early wrap is needed: without it, this test fails. That holds because "borrows"
+# sorts before "breaks_asym", whose check() of sym_quantize wraps qlab.quantize for the
+# process, as any earlier check() in a whole session does.
+BAD_MUTANTS = {  # id -> (sym_quantize's cell, a pattern the refusal's message contains)
     # wrong (a float32 scale), and it borrows qlab.quantize through a default argument
     "borrows": (
         "import qlab\n"
@@ -104,8 +105,9 @@ BAD_MUTANTS = {  # id -> (sym_quantize's cell, what the refusal says)
         r"borrows calls \[.*'qlab\.quantize'",
     ),
     # wrong (torch is None when it runs), and asym_quantize, which reads the same global
-    # torch when called, fails too (its annotations are not evaluated: the cells compile
-    # under this file's `from __future__ import annotations`)
+    # torch when called, fails too (the later cells still define their functions: their
+    # annotations, torch.Tensor, are not evaluated, as the cells compile under this file's
+    # `from __future__ import annotations`)
     "breaks_asym": (
         "def symmetric_quantize(x, bits):\n"
         "    return torch.zeros_like(x, dtype=torch.int8), torch.tensor(0.5)\n"
@@ -116,7 +118,7 @@ BAD_MUTANTS = {  # id -> (sym_quantize's cell, what the refusal says)
 
 
 @pytest.mark.parametrize("why", sorted(BAD_MUTANTS))
-def test_a_mutant_that_borrows_or_breaks_another_cell_is_refused(why, capsys, monkeypatch):
+def test_a_mutant_that_borrows_or_breaks_another_task_is_refused(why, capsys, monkeypatch):
     source, says = BAD_MUTANTS[why]
     with pytest.raises(AssertionError, match=says):  # CheckFailed is an AssertionError
         _assert_fails_for_its_own_reason("sym_quantize", why, source, capsys, monkeypatch)
