@@ -282,7 +282,7 @@ def _plans(r: dict) -> list:
     config = configs.Config(**r["config"]) if r.get("config") else None
     if r["kernel"] == "w4a16":
         g = r.get("group_size", 128)
-        words = _Fake(torch.int32, (-(-N // 32), 4 * K)) if g % w4a16.MMA_K == 0 else None
+        words = _Fake(torch.int32, (-(-N // 32), 4 * K)) if w4a16.groups_per_step(g, K) else None
         w = w4a16.W4A16Weight(_Fake(torch.uint8, (N, K // 2)), _Fake(torch.float16, (N, K // g)),
                               g, (N, K), words)  # fmt: skip
         config = config or configs.configs_for("w4a16", M)[0]

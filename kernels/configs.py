@@ -10,8 +10,9 @@ a tile shape:
     medium    17..128    swap-AB GEMM, 64-128 columns       swap-AB, 64-128 columns
     large     > 128      swap-AB GEMM, 128 columns          grouped (L2-swizzled) 128x128 tiles
 
-(*) mma.sync on the decode layout (kernels/w4a16.py), 32 rows per warp; for a group that is
-not a multiple of 128, the plain CUDA-core GEMV on the plain layout (GEMV_PLAIN, one config).
+(*) mma.sync on the decode layout (kernels/w4a16.py), 32 rows per warp; where that layout
+does not apply (w4a16.groups_per_step is None), the plain CUDA-core GEMV on the plain layout
+(GEMV_PLAIN, one config).
 
 The FIRST config of each list is the default: what runs when nothing is timed (the CPU
 interpreter, ahead-of-time builds, QLAB_AUTOTUNE=0). On a GPU, `choose` times every config
@@ -174,9 +175,9 @@ CONFIGS: dict[tuple[str, str], tuple[Config, ...]] = {
 del C
 
 
-# The plain-layout GEMV (W4A16 at M = 1 with a group that is not a multiple of 128): block_n
+# The plain-layout GEMV (W4A16 at M = 1 without the decode layout, e.g. K = 192): block_n
 # rows x block_k / 2 packed bytes per step, copied with cp.async of 4 and 8 bytes per thread at
-# g = 64 (compile_for's global_load_widths; docs/KERNELS.md).
+# g = 64 (TinyLM's 768 x 192: compile_for's global_load_widths; docs/KERNELS.md).
 GEMV_PLAIN = Config(block_m=1, block_n=32, block_k=128, num_warps=4, num_stages=4)
 
 

@@ -7,12 +7,14 @@ unpacked and scaled inside the kernel and the arithmetic stays 16-bit.
 Layout (pack_w4a16, W4A16Weight.from_qtensor): the nn.Linear weight W (N = out_features,
 K = in_features) as qlab.quantize(W, "int4", g) gives it, packed by qlab.pack_int4:
 packed[n, k // 2] holds code[n, k] (even k in the low nibble), scales[n, k // g] fp16.
-Nothing is reordered: row n of `packed` is row n of W, K runs along the bytes. When g is a
-multiple of 128 the same codes are also kept in the decode layout (`words`, pack_int4_mma):
-reordered so that each 32-bit word a thread loads is one mma.sync A fragment.
+Nothing is reordered: row n of `packed` is row n of W, K runs along the bytes. When K is a
+multiple of 128 and g is 32, 64 or a multiple of 128 (groups_per_step), the same codes are
+also kept in the decode layout (`words`, pack_int4_mma): reordered so that each 32-bit word
+a thread loads is one mma.sync A fragment.
 
-Decode, M = 1, g a multiple of 128 (the GEMV on tensor cores; one warp = 32 rows, one
-program = block_n rows x one K range; thread lane = 4r + q):
+Decode, M = 1, with the decode layout (the GEMV on tensor cores; one warp = 32 rows, one
+program = block_n rows x one K range; thread lane = 4r + q; g a multiple of 128 below,
+g = 64 and 32 after it):
 
     for k0 in my K range, step 128:                # no shared memory, no barrier
         words = 16 int32 (4 x 16-byte loads): rows r, r+8, r+16, r+24, k0+32q .. k0+32q+31
@@ -25,11 +27,19 @@ program = block_n rows x one K range; thread lane = 4r + q):
         acc[my rows] += mma_sum * s[my rows, k0 // g]  # fp32, once per row per step
     y[rows] = acc             # or: reduce split_k partial sums (kernels/_tiles.py)
 
+At g = 64 and 32 a step holds GPS = 128 / g groups, and K is permuted inside a step so that
+every mma's 16 k lie in one group. Column n of B carries x only in the mmas of group
+n * GPS // 8 (masked loads give zeros in the others), so the sums a thread holds (D columns
+2q, 2q + 1) are those of group q * GPS // 4 alone: it scales them by s[rows, k0 // g +
+q * GPS // 4], and after the loop the lanes q of a row add their groups' sums.
+
 The tensor cores do the multiply-adds, so the loop issues about 3.1 (fp16) or 3.6 (bf16)
 SASS instructions per weight byte (tests/kernels/test_w4a16_decode.py): below the 9.2 and
 6.4 thread-instructions an H100 SXM and an H200 issue per byte of HBM bandwidth
-(roofline.issue_rate). Other groups take the plain GEMV on
-`packed` (CUDA cores, about 18.5 instructions per byte at g = 64): per step of block_k <= g,
+(roofline.issue_rate); at g = 64 and 32, 3.3 (fp16) and 3.8 (bf16). Without the decode
+layout (K not a multiple of 128, e.g. TinyLM's 192; g = 16, 48, ...) the plain GEMV runs on
+`packed` (CUDA cores, about 19.6 instructions per byte at g = 64 on TinyLM's 768 x 192): per
+step of block_k <= g,
 acc += (lo * x[k0 + 2j] + hi * x[k0 + 2j + 1]) * s[rows] with lo, hi exact fp32 nibbles.
 
 Batches, M > 1 (the GEMM, tensor cores, swap-AB): compute y^T = W_hat x^T so the output
@@ -47,11 +57,11 @@ every step and stall the tensor-core pipeline (wgmma.wait_group 0). The price is
 rounding of c * s to 16 bits per weight (the tolerance, kernels/tolerance.py, counts it).
 
 int4 -> float without an int-to-float instruction (in the plain GEMV and the GEMM still
-several SASS instructions per nibble: the plain GEMV issues about 18.5 per packed byte at
-g = 64, which makes it instruction-bound rather than bandwidth-bound by the model): XOR-ing a
-nibble with 8 gives code + 8 (4-bit two's complement to offset binary); placed in the
-mantissa of 2**23 (fp32) or 1024 (fp16) it reads as 2**23 + code + 8, and one subtraction
-leaves the exact code:
+several SASS instructions per nibble: the plain GEMV issues about 19.6 per packed byte at
+g = 64 (768 x 192), which makes it instruction-bound rather than bandwidth-bound by the
+model): XOR-ing a nibble with 8 gives code + 8 (4-bit two's complement to offset binary);
+placed in the mantissa of 2**23 (fp32) or 1024 (fp16) it reads as 2**23 + code + 8, and one
+subtraction leaves the exact code:
     fp32(0x4B000000 | (nib ^ 8)) - (2**23 + 8) == code
 """
 
@@ -94,7 +104,7 @@ class W4A16Weight(NamedTuple):
     group_size: int
     shape: tuple[int, int]  # (N, K) of the original weight
     # int32 (ceil(N / 32), 4 K): the same codes in the decode layout (pack_int4_mma) that
-    # the tensor-core GEMV reads; None when the group is not a multiple of 128
+    # the tensor-core GEMV reads; None where groups_per_step(group_size, K) is None
     words: torch.Tensor | None = None
 
     @property
@@ -125,7 +135,8 @@ class W4A16Weight(NamedTuple):
                 f"granularity must be an int group size along K, got {g!r}; quantize with "
                 "qlab.quantize(W, 'int4', group_size)"
             )
-        _check_group(g, qt.codes.shape[1])
+        k = qt.codes.shape[1]
+        _check_group(g, k)
         if qt.scales.dtype != torch.float16:
             raise TypeError(f"scales must be float16 (qlab's int4 scales), got {qt.scales.dtype}")
         packed = qlab.pack_int4(qt.codes)  # shape: (N, K // 2) uint8, raises outside -8..15
@@ -134,7 +145,7 @@ class W4A16Weight(NamedTuple):
             scales=qt.scales.contiguous(),
             group_size=g,
             shape=tuple(qt.codes.shape),
-            words=pack_int4_mma(qt.codes) if g % MMA_K == 0 else None,
+            words=pack_int4_mma(qt.codes, group_size=g) if groups_per_step(g, k) else None,
         )
 
 
@@ -177,7 +188,34 @@ MMA_K = 128  # K per step of the decode layout: one scale group at g = 128
 _MMA_ROWS, _MMA_K = tl.constexpr(MMA_ROWS), tl.constexpr(MMA_K)  # the same, for kernels
 
 
-def pack_int4_mma(codes: torch.Tensor) -> torch.Tensor:
+def groups_per_step(group_size: int, k: int) -> int | None:
+    """Scale groups in one 128-wide K step of the decode layout: 1 for a group that is a
+    multiple of 128, 2 at g = 64, 4 at g = 32; None where the layout does not apply (K not a
+    multiple of 128, or any other group: 16, 48, 80, 96, 112, 144, ...; those take the plain
+    GEMV)."""
+    if k % MMA_K:
+        return None
+    if group_size % MMA_K == 0:
+        return 1
+    return MMA_K // group_size if group_size in (32, 64) else None
+
+
+def _step_order(k: int, group_size: int) -> torch.Tensor:
+    """The k order pack_int4_mma lays out: position 128S + 32q + i (thread q's share of step
+    S, in the g = 128 layout) holds k = 128S + w t + (w / 4) q + i % (w / 4), with t =
+    i // (w / 4) and w = 128 / groups_per_step the group's width: every mma.sync's 16 k lie
+    in one group, so its sum can take that group's scale. The identity for g >= 128."""
+    gps = groups_per_step(group_size, k)
+    if gps is None:
+        raise ValueError(
+            f"the decode layout needs K a multiple of {MMA_K} and a group of 32, 64 or a "
+            f"multiple of {MMA_K}, got K = {k}, group_size = {group_size}"
+        )
+    order = torch.arange(k).reshape(k // MMA_K, gps, 4, MMA_K // gps // 4)  # (S, t, q, i)
+    return order.transpose(1, 2).reshape(k)
+
+
+def pack_int4_mma(codes: torch.Tensor, *, group_size: int) -> torch.Tensor:
     """int4 codes (N, K) in -8..7 -> int32 words (ceil(N / 32), 4 * K): the decode layout.
 
     The GEMV's tensor-core path reads it: each thread loads its words with 16-byte loads,
@@ -186,10 +224,14 @@ def pack_int4_mma(codes: torch.Tensor) -> torch.Tensor:
     at step S (k = 128S..128S+127), w = 512S + 128c + 4 lane + v, with lane = 4r + q,
     c = 2b + j // 4 and j = 4 (c % 2) + v, holds in bits 4p..4p+3 (p = rs + 2 e_hi + 4 e_lo)
 
-        code[32T + 16b + 8rs + r, 128S + 32q + 4j + 2e_hi + e_lo] + 8   (offset binary)
+        code[32T + 16b + 8rs + r, o(128S + 32q + 4j + 2e_hi + e_lo)] + 8   (offset binary)
 
     for b, rs, e_hi, e_lo in 0..1, r in 0..7, q in 0..3, j in 0..7. Rows past N hold code 0.
-    qlab.pack_int4's plain order stays the teaching layout; unpack_int4_mma inverts this.
+    o is the identity for a group_size that is a multiple of 128; at g = 64 and 32 it is
+    _step_order's permutation of each step, which puts the 16 k of every mma in one group:
+    k = 128S + w t + (w / 4) q + 4 (j % (w / 16)) + 2e_hi + e_lo,
+    t = j // (w / 16), w = g. qlab.pack_int4's plain order stays the teaching layout;
+    unpack_int4_mma inverts this.
     """
     codes = torch.as_tensor(codes)
     if codes.ndim != 2 or codes.shape[1] % MMA_K:
@@ -202,7 +244,7 @@ def pack_int4_mma(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     tiles = triton.cdiv(n, MMA_ROWS)
     nib = torch.full((tiles * MMA_ROWS, k), 8, dtype=torch.uint8)  # padding rows: code 0
-    nib[:n] = (codes.cpu().to(torch.int16) + 8).to(torch.uint8)
+    nib[:n] = (codes.cpu()[:, _step_order(k, group_size)].to(torch.int16) + 8).to(torch.uint8)
     # shape: (T, b, rs, r, S, q, j // 4, j % 4, e_hi, e_lo)
     nib = nib.reshape(tiles, 2, 2, 8, k // MMA_K, 4, 2, 4, 2, 2)
     # shape: (T, S, c = (b, j // 4), lane = (r, q), v = j % 4, p = (e_lo, e_hi, rs))
@@ -214,7 +256,7 @@ def pack_int4_mma(codes: torch.Tensor) -> torch.Tensor:
     return words.reshape(tiles, 4 * k).to(codes.device)
 
 
-def unpack_int4_mma(words: torch.Tensor, n: int) -> torch.Tensor:
+def unpack_int4_mma(words: torch.Tensor, n: int, *, group_size: int) -> torch.Tensor:
     """Inverse of pack_int4_mma: int32 words (ceil(n / 32), 4 * K) -> int8 codes (n, K)."""
     tiles, k4 = words.shape
     k = k4 // 4
@@ -223,7 +265,9 @@ def unpack_int4_mma(words: torch.Tensor, n: int) -> torch.Tensor:
     # shape: (T, S, b, j // 4, r, q, j % 4, e_lo, e_hi, rs) -> (T, b, rs, r, S, q, j, e)
     nib = nib.reshape(tiles, k // MMA_K, 2, 2, 8, 4, 4, 2, 2, 2)
     nib = nib.permute(0, 2, 9, 4, 1, 5, 3, 6, 8, 7).reshape(tiles * MMA_ROWS, k)
-    return (nib[:n] - 8).to(torch.int8).to(words.device)
+    codes = torch.empty(n, k, dtype=torch.int8)
+    codes[:, _step_order(k, group_size)] = (nib[:n] - 8).to(torch.int8)
+    return codes.to(words.device)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -392,16 +436,25 @@ MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 32 + ["f"] * 8))
 
 
 @triton.jit
-def _mma_step(w_step, x_step, s, acc, BF16: tl.constexpr):
-    """One K step of every thread: tl.load(...) of the thread's words, then _mma_step_asm."""
-    args = [tl.load(w_step), tl.load(w_step + 128), tl.load(w_step + 256),
-            tl.load(w_step + 384), tl.load(x_step), tl.load(x_step + 4),
-            tl.load(x_step + 8), tl.load(x_step + 12), s, acc]  # fmt: skip
+def _mma_step(w_step, x_step, x_group, s, acc, BF16: tl.constexpr, GPS: tl.constexpr):
+    """One K step of every thread: tl.load(...) of the thread's words and x, then
+    _mma_step_asm. Words 4c..4c+3 of x feed mmas 2c and 2c + 1, whose k lie in group c * GPS
+    // 4 of the step; with GPS > 1 a thread loads them only if that is x_group (else 0)."""
+    XC: tl.constexpr = 4 // GPS  # 16-byte loads of x per group
+    XG: tl.constexpr = 64 // GPS  # words of x per group
+    w = [tl.load(w_step), tl.load(w_step + 128), tl.load(w_step + 256), tl.load(w_step + 384)]
+    if GPS == 1:
+        x = [tl.load(x_step), tl.load(x_step + 4), tl.load(x_step + 8), tl.load(x_step + 12)]
+    else:
+        x = [tl.load(x_step, mask=x_group == 0, other=0),
+             tl.load(x_step + XG * (1 // XC) + 4 * (1 % XC), mask=x_group == 1 // XC, other=0),
+             tl.load(x_step + XG * (2 // XC) + 4 * (2 % XC), mask=x_group == 2 // XC, other=0),
+             tl.load(x_step + XG * (3 // XC) + 4 * (3 % XC), mask=x_group == 3 // XC, other=0)]  # fmt: skip
     if BF16:
-        return tl.inline_asm_elementwise(MMA_ASM_BF16, MMA_CONSTRAINTS, args,
+        return tl.inline_asm_elementwise(MMA_ASM_BF16, MMA_CONSTRAINTS, w + x + [s, acc],
                                          dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
     else:
-        return tl.inline_asm_elementwise(MMA_ASM_F16, MMA_CONSTRAINTS, args,
+        return tl.inline_asm_elementwise(MMA_ASM_F16, MMA_CONSTRAINTS, w + x + [s, acc],
                                          dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
 
 
@@ -423,7 +476,8 @@ def _w4a16_gemv_mma_kernel(
     # split-K: programs per row block, each summing K // split_k
     split_k,
     # meta-parameters
-    GROUP_SIZE: tl.constexpr,  # a multiple of _MMA_K
+    GROUP_SIZE: tl.constexpr,  # 32, 64 or a multiple of _MMA_K (groups_per_step)
+    GPS: tl.constexpr,  # scale groups per K step of _MMA_K: groups_per_step(GROUP_SIZE, K)
     BLOCK_N: tl.constexpr,  # 32 rows per warp
     USE_ASM: tl.constexpr,  # the tensor-core PTX; False: the same sums in plain Triton
     INDEX_64: tl.constexpr,
@@ -435,8 +489,13 @@ def _w4a16_gemv_mma_kernel(
     num_tiles = tl.cdiv(N, _MMA_ROWS)
     if USE_ASM:
         # Thread t = 32 warp + lane, lane = 4r + q: its row in every mma fragment is r (and
-        # r + 8), its share of K is x[32q .. 32q + 31] of each step. A (THREADS, 4) tensor
-        # of 16-byte rows puts row t in thread t (Triton's blocked layout [1, 4] x [32, 1]).
+        # r + 8), its share of K is 32 k of each step: x[32q .. 32q + 31] when one group
+        # spans the step, else 128 / GPS / 4 k of each group (_step_order). A (THREADS, 4)
+        # tensor of 16-byte rows puts row t in thread t (Triton's blocked layout [1, 4] x
+        # [32, 1]). With GPS groups per step, column n of the mma's B operand carries x only
+        # in the mmas of group n * GPS // 8 (zeros in the others), so the D columns 2q, 2q + 1
+        # a thread holds are the sums of group q * GPS // 4 alone, and it scales them by
+        # that group's scale: one scale per row per step, whatever the group size.
         THREADS: tl.constexpr = BLOCK_N // _MMA_ROWS * 32
         t = tl.arange(0, THREADS)[:, None]  # shape: (THREADS, 1)
         lane = t % 32
@@ -452,14 +511,20 @@ def _w4a16_gemv_mma_kernel(
         if INDEX_64:
             rows = rows.to(tl.int64)
         w_ptrs = words_ptr + tile * stride_wt + lane * 4 + v  # + 512 S + 128 c
-        x_ptrs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + q * 16 + v  # + 64 S + 4c
-        s_ptrs = scales_ptr + rows * stride_sn
+        # words of x: + 64 S, + 4 c at one group per step (_mma_step's offsets)
+        x_ptrs = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + q * (16 // GPS) + v
+        s_ptrs = scales_ptr + rows * stride_sn + q * GPS // 4  # the group of my D columns
         acc = tl.zeros((THREADS, 4), dtype=tl.float32)
         for k0 in tl.range(k_start, k_start + k_len, _MMA_K):
-            w_step = w_ptrs + k0 * 4
-            x_step = x_ptrs + k0 // 2
             s = tl.load(s_ptrs + k0 // GROUP_SIZE).to(tl.float32)
-            acc = _mma_step(w_step, x_step, s, acc, x_ptr.dtype.element_ty == tl.bfloat16)
+            acc = _mma_step(w_ptrs + k0 * 4, x_ptrs + k0 // 2, r * GPS // 8, s, acc,
+                            x_ptr.dtype.element_ty == tl.bfloat16, GPS)  # fmt: skip
+        if GPS > 1:  # add the groups' partial sums: the four lanes q of a row r, each group once
+            acc = tl.where(q % (4 // GPS) == 0, acc, 0.0)
+            acc = tl.sum(tl.reshape(acc, (THREADS // 4, 4, 4)), axis=1)  # shape: ((warp, r), v)
+            lane = (tl.arange(0, THREADS // 4)[:, None] * 4) % 32  # lane 4r of each row r
+            offs_n = pid_n * BLOCK_N + (tl.arange(0, THREADS // 4)[:, None] // 8) * _MMA_ROWS
+            offs_n += 16 * (v // 2) + 8 * (v % 2) + lane // 4  # the rows, as above
         local = offs_n - pid_n * BLOCK_N
         store_or_reduce(
             acc, out_ptr + offs_n, offs_n < N, ws_ptr, count_ptr, local,
@@ -471,21 +536,26 @@ def _w4a16_gemv_mma_kernel(
         rows = tl.minimum(offs_n, N - 1)
         if INDEX_64:
             rows = rows.to(tl.int64)
+        W: tl.constexpr = _MMA_K // GPS  # k per group in a step
+        # the step's k in group-major order: (group t, thread q, i), as _step_order reads them
         kk = tl.arange(0, _MMA_K)[None, :]  # shape: (1, _MMA_K)
+        t, q, i = kk // W, (kk // (W // 4)) % 4, kk % (W // 4)
+        pos = (W // 4) * t + i  # where pack_int4_mma put that k in thread q's 32
         rr = (rows % _MMA_ROWS)[:, None]  # shape: (BLOCK_N, 1)
         b, rs, r = rr // 16, (rr // 8) % 2, rr % 8
-        q, j, e = kk // 32, (kk // 4) % 8, kk % 4
+        j, e = pos // 4, pos % 4
         word = 128 * (2 * b + j // 4) + 4 * (4 * r + q) + j % 4  # shape: (BLOCK_N, _MMA_K)
         shift = 4 * (rs + 2 * (e // 2) + 4 * (e % 2))
         w_ptrs = words_ptr + (rows // _MMA_ROWS)[:, None] * stride_wt + word
-        s_ptrs = scales_ptr + rows * stride_sn
+        s_ptrs = scales_ptr + rows[:, None] * stride_sn + tl.arange(0, GPS)[None, :]
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in tl.range(k_start, k_start + k_len, _MMA_K):
             nib = (tl.load(w_ptrs + k0 * 4) >> shift) & 0xF
             code = (nib - 8).to(tl.float32)  # shape: (BLOCK_N, _MMA_K)
             xk = tl.load(x_ptr + k0 + kk).to(tl.float32)  # shape: (1, _MMA_K)
-            s = tl.load(s_ptrs + k0 // GROUP_SIZE).to(tl.float32)
-            acc += tl.sum(code * xk, axis=1) * s  # code * x exact in fp32
+            sums = tl.sum(tl.reshape(code * xk, (BLOCK_N, GPS, W)), axis=2)  # code * x exact
+            s = tl.load(s_ptrs + k0 // GROUP_SIZE).to(tl.float32)  # shape: (BLOCK_N, GPS)
+            acc += tl.sum(sums * s, axis=1)
         store_or_reduce(
             acc, out_ptr + offs_n, offs_n < N, ws_ptr, count_ptr, tl.arange(0, BLOCK_N),
             pid_n, tl.num_programs(0), pid_k, split_k, TILE=BLOCK_N,
@@ -576,6 +646,8 @@ def _block_k(config: Config, group_size: int) -> int:
 def _plan_gemv_mma(x2, w: W4A16Weight, out, config: Config, sms: int, buffers) -> Launch:
     """The tensor-core GEMV: config.block_n rows per program, one warp per 32 rows."""
     N, K = w.shape
+    if groups_per_step(w.group_size, K) is None:
+        raise ValueError(f"no decode layout for group_size {w.group_size} at K = {K}")
     if config.block_n != MMA_ROWS * config.num_warps:
         raise ValueError(f"a decode config needs block_n = 32 * num_warps, got {config}")
     if config.block_k != MMA_K:
@@ -588,7 +660,8 @@ def _plan_gemv_mma(x2, w: W4A16Weight, out, config: Config, sms: int, buffers) -
         grid=(tiles, split),
         args=(x2, w.words, w.scales, out, ws, counts, N, K,
               w.words.stride(0), w.scales.stride(0), split),  # fmt: skip
-        meta=dict(GROUP_SIZE=w.group_size, BLOCK_N=config.block_n, USE_ASM=not INTERPRET,
+        meta=dict(GROUP_SIZE=w.group_size, GPS=groups_per_step(w.group_size, K),
+                  BLOCK_N=config.block_n, USE_ASM=not INTERPRET,
                   INDEX_64=needs_int64(w.words), num_warps=config.num_warps),  # fmt: skip
         config=config,
     )
@@ -603,7 +676,7 @@ def plan(x2, w: W4A16Weight, out, config: Config, sms: int, buffers=split_k_buff
     g = w.group_size
     if M == 1 and w.words is not None:
         return _plan_gemv_mma(x2, w, out, config, sms, buffers)
-    # groups of 16..112 at M = 1: the plain GEMV on the plain layout, one config. The K step
+    # no decode layout at M = 1 (groups_per_step None): the plain GEMV, one config. The K step
     # shrinks to divide the group, and the Launch reports the config it launches.
     config = configs.GEMV_PLAIN if M == 1 else config
     config = replace(config, block_k=_block_k(config, g))

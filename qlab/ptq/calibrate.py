@@ -237,7 +237,7 @@ class W4A16Linear(nn.Module):
         w = W4A16Weight.from_qtensor(qt)
         self.register_buffer("packed", w.packed)  # uint8 (N, K // 2)
         self.register_buffer("scales", w.scales)  # float16 (N, K // group_size)
-        self.register_buffer("words", w.words)  # int32 decode layout, or None (g % 128 != 0)
+        self.register_buffer("words", w.words)  # int32 decode layout, or None
         self.group_size, self.shape = w.group_size, w.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,9 @@ REQUESTS = {
     "gemv": dict(kernel="w4a16", M=1, **SQUARE),
     "gemv_fp16": dict(kernel="w4a16", M=1, dtype="fp16", **SQUARE),
     "gemv_down": dict(kernel="w4a16", M=1, **DOWN),
-    "gemv_plain_g64": dict(kernel="w4a16", M=1, group_size=64, **SQUARE),  # no decode layout
+    # no decode layout (K = 192 is not a multiple of 128): TinyLM's MLP up-projection at
+    # chapter 13's group of 64
+    "gemv_plain_g64": dict(kernel="w4a16", M=1, N=768, K=192, group_size=64),
     "w4_small": dict(kernel="w4a16", M=16, **SQUARE),
     "w4_medium_fp16": dict(kernel="w4a16", M=64, dtype="fp16", **SQUARE),
     "w4_large": dict(kernel="w4a16", M=4096, **SQUARE),
@@ -119,7 +121,7 @@ def test_compile_for_reports_what_the_gpu_runs(built):
 
 
 def test_main_loop_of_the_plain_gemv_is_its_k_loop(built):
-    # no MMA anywhere: the K loop (cp.async weights, 148 instructions) and, after it, the
+    # no MMA anywhere: the K loop (cp.async weights, 157 instructions) and, after it, the
     # split-K reduction loop (25 instructions, but 16 B of LDG per thread against 14 B)
     plain = built["gemv_plain_g64"]
     assert plain["kernel"] == "_w4a16_gemv_kernel"
@@ -127,8 +129,8 @@ def test_main_loop_of_the_plain_gemv_is_its_k_loop(built):
     assert loop["mma"] == 0 and any(op.startswith("LDGSTS") for op in loop["mix"]), loop["mix"]
     meta = plain["meta"]
     bytes_per_thread = meta["BLOCK_N"] * meta["BLOCK_K"] // 2 // (32 * meta["num_warps"])
-    # docs/KERNELS.md and notebook 09: 148 per 8 bytes of packed weight, 18.5 per byte
-    assert (loop["instructions"], bytes_per_thread) == (148, 8), loop["mix"]
+    # docs/KERNELS.md and notebook 09: 157 per 8 bytes of packed weight, 19.6 per byte
+    assert (loop["instructions"], bytes_per_thread) == (157, 8), loop["mix"]
 
 
 SASS_LISTING = """

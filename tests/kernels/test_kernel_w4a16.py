@@ -53,7 +53,8 @@ def test_matches_reference(m, n, k, group_size, dtype):
 
 def _launch(m, n, k, g=128, dtype=torch.float16):
     x = torch.empty(m, k, dtype=dtype)  # plan() reads shapes and strides only
-    words = torch.empty(-(-n // 32), 4 * k, dtype=torch.int32) if g % 128 == 0 else None
+    decode_layout = w4a16_module.groups_per_step(g, k) is not None
+    words = torch.empty(-(-n // 32), 4 * k, dtype=torch.int32) if decode_layout else None
     w = W4A16Weight(torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // g).half(),
                     g, (n, k), words)  # fmt: skip
     config = configs.configs_for("w4a16", m)[0]
@@ -69,9 +70,10 @@ def test_split_k_fills_an_h100_and_is_deterministic():
     assert launch.grid[0] * launch.grid[1] >= 2 * configs.H100_SMS
     # a large layer needs no split
     assert _launch(1, 57344, 8192).grid == (448, 1)
-    # a group that is not a multiple of 128: the plain-layout GEMV, 128 blocks of 32 rows
-    assert _launch(1, 4096, 4096, g=64).kernel is w4a16_module._w4a16_gemv_kernel
-    assert _launch(1, 4096, 4096, g=64).grid == (128, 4)
+    # a group of 16 (no decode layout): the plain-layout GEMV, 128 blocks of 32 rows
+    assert _launch(1, 4096, 4096, g=16).kernel is w4a16_module._w4a16_gemv_kernel
+    assert _launch(1, 4096, 4096, g=16).grid == (128, 4)
+    assert _launch(1, 4096, 4096, g=64).kernel is w4a16_module._w4a16_gemv_mma_kernel
     # the interpreter takes the same path: 1 row block x 4 splits of K = 512
     torch.manual_seed(5)
     weight, x = torch.randn(64, 512) * 0.05, torch.randn(1, 512).half()
@@ -84,8 +86,9 @@ def test_split_k_fills_an_h100_and_is_deterministic():
 
 @pytest.mark.parametrize("m", [1, 16])
 def test_plan_reports_the_k_step_it_launches(m):
-    # g = 64: the plain GEMV (M = 1, GEMV_PLAIN's 128) and the GEMM configs of 128 shrink
-    # their K step to 64; the Launch's config (recorded by the benchmark) must say 64 too.
+    # g = 64 without the decode layout (words None): the plain GEMV (M = 1, GEMV_PLAIN's 128)
+    # and the GEMM configs of 128 shrink their K step to 64; the Launch's config (recorded by
+    # the benchmark) must say 64 too.
     w = W4A16Weight(torch.empty(64, 128, dtype=torch.uint8), torch.empty(64, 4).half(),
                     64, (64, 256), None)  # fmt: skip
     x, out = torch.empty(m, 256).half(), torch.empty(m, 64).half()
