@@ -446,10 +446,12 @@ def _mma_step(w_step, x_step, x_group, s, acc, BF16: tl.constexpr, GPS: tl.const
     if GPS == 1:
         x = [tl.load(x_step), tl.load(x_step + 4), tl.load(x_step + 8), tl.load(x_step + 12)]
     else:
-        x = [tl.load(x_step, mask=x_group == 0, other=0),
-             tl.load(x_step + XG * (1 // XC) + 4 * (1 % XC), mask=x_group == 1 // XC, other=0),
-             tl.load(x_step + XG * (2 // XC) + 4 * (2 % XC), mask=x_group == 2 // XC, other=0),
-             tl.load(x_step + XG * (3 // XC) + 4 * (3 % XC), mask=x_group == 3 // XC, other=0)]  # fmt: skip
+        x = [
+            tl.load(x_step, mask=x_group == 0, other=0),
+            tl.load(x_step + XG * (1 // XC) + 4 * (1 % XC), mask=x_group == 1 // XC, other=0),
+            tl.load(x_step + XG * (2 // XC) + 4 * (2 % XC), mask=x_group == 2 // XC, other=0),
+            tl.load(x_step + XG * (3 // XC) + 4 * (3 % XC), mask=x_group == 3 // XC, other=0),
+        ]
     if BF16:
         return tl.inline_asm_elementwise(MMA_ASM_BF16, MMA_CONSTRAINTS, w + x + [s, acc],
                                          dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
