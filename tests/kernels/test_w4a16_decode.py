@@ -2,12 +2,18 @@
 
 The layout is checked against its docstring's formula and qlab's plain nibble order; the
 kernel's plain-Triton path (what the interpreter runs) against qlab's reference within the
-derived bound; the PTX path on the SASS ptxas makes of it for sm_90 (instructions per
-weight byte of the main loop, registers, spills), since no GPU runs here.
+derived bound; the PTX path twice, since no GPU runs here: its Triton in the interpreter with
+the inline PTX emulated (by the PTX ISA's mma fragments), and the SASS ptxas makes of it for
+sm_90 (instructions per weight byte of the main loop, registers, spills).
 """
 
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 import qlab
 from qlab.kernels import (
@@ -93,69 +99,91 @@ def test_decode_gemv_matches_reference(n, k, group_size, dtype, monkeypatch):
     assert_within_bound(y, x, weight.to(dtype), group_size)
 
 
-def emulate_ptx_branch(w: W4A16Weight, x: torch.Tensor, masked: bool = True) -> torch.Tensor:
-    """What _w4a16_gemv_mma_kernel's PTX branch computes for x (K,), lane by lane: the
-    kernel's loads (its addresses and masks, copied by hand: an edit of the kernel must be
-    made here too), mma.sync.m16n8k16 as the PTX ISA defines its fragments (A row-major: A
-    register i holds row r + 8 (i % 2), columns 2q + 8 (i // 2) + {0, 1} in its low and high
-    halves; B column-major: register 0 rows 2q + {0, 1}, register 1 rows 2q + 8 + {0, 1},
-    column r; D: d0, d1 row r, columns 2q + {0, 1}; d2, d3 row r + 8), the asm's nibble order
-    (A register i's halves are the word's nibbles i and 4 + i) and the epilogue at split_k = 1
-    (the lanes' group sums re-derived, not copied). The interpreter cannot run the PTX; this
-    checks its data flow. masked=False drops the x masks (a wrong kernel). Sums in float64
-    (the mma's fp32 sums are within the bound's order-free fp32 term)."""
-    n, k = w.shape
-    g, gps = w.group_size, w4a16_module.groups_per_step(w.group_size, k)
-    u = w.words.to(torch.int64) & 0xFFFFFFFF
-    xs, scales = x.double().reshape(-1), w.scales.double()
-    xc, xg = 4 // gps, 64 // gps  # 16-byte loads of x per group, words of x per group
-    y = torch.zeros(u.shape[0] * 32, dtype=torch.float64)
-    for tile in range(u.shape[0]):
-        acc = torch.zeros(32, 4, dtype=torch.float64)  # lane, v
-        for step in range(k // 128):
-            for b in range(2):
-                d = torch.zeros(16, 8, dtype=torch.float64)
-                for j in range(8):
-                    a_frag, b_frag = torch.zeros(16, 16), torch.zeros(16, 8, dtype=torch.float64)
-                    for lane in range(32):
-                        r, q = divmod(lane, 4)
-                        word = int(u[tile, 512 * step + 128 * (2 * b + j // 4) + 4 * lane + j % 4])
-                        for p in range(8):  # register i = p % 4, its half p // 4
-                            i, half = p % 4, p // 4
-                            code = (word >> 4 * p & 15) - 8
-                            a_frag[r + 8 * (i % 2), 2 * q + half + 8 * (i // 2)] = code
-                        c = j // 2  # x words 2j, 2j + 1 of the lane: load c, v = 2 (j % 2) + {0, 1}
-                        if masked and gps > 1 and r * gps // 8 != c // xc:
-                            continue  # masked: column r carries another group's x here
-                        for v, row in ((2 * (j % 2), 2 * q), (2 * (j % 2) + 1, 2 * q + 8)):
-                            m = 64 * step + q * (16 // gps) + v + xg * (c // xc) + 4 * (c % xc)
-                            b_frag[row : row + 2, r] = xs[2 * m : 2 * m + 2]
-                    d += a_frag.double() @ b_frag
-                for lane in range(32):
-                    r, q = divmod(lane, 4)
-                    for v, dv in ((2 * b, d[r, 2 * q]), (2 * b + 1, d[r + 8, 2 * q])):
-                        row = min(32 * tile + 16 * (v // 2) + 8 * (v % 2) + r, n - 1)
-                        acc[lane, v] += dv * scales[row, 128 * step // g + q * gps // 4]
-        for lane in range(32):
-            r, q = divmod(lane, 4)
-            if q % (4 // gps) == 0:  # gps == 1: every lane q holds the same sums; take one
-                for v in range(4):
-                    y[32 * tile + 16 * (v // 2) + 8 * (v % 2) + r] += acc[lane, v]
-    return y[:n].float().to(x.dtype)[None, :]
+def _halves(words: np.ndarray, bf16: bool) -> np.ndarray:
+    """int32 words (n,) -> their two 16-bit halves as float64 (n, 2), low half first."""
+    u = words.astype(np.int64) & 0xFFFFFFFF
+    h = np.stack([u & 0xFFFF, u >> 16], axis=1)
+    if bf16:  # a bf16 is the top half of an fp32
+        return (h << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    return h.astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def emulate_mma_step(w, x, s, acc, bf16: bool) -> np.ndarray:
+    """_mma_step_asm's result for every thread of a block, from its operands as the kernel
+    loaded them (each (THREADS, 4); thread t is lane t % 32 of warp t // 32), by the PTX ISA's
+    mma.m16n8k16 fragments (f16/bf16 A row-major, B column-major, f32 C/D; lane = 4r + q):
+    A register i holds row r + 8 (i % 2), columns 2q + 8 (i // 2) + {0, 1} in its low and high
+    halves; B register 0 rows 2q + {0, 1} and register 1 rows 2q + 8 + {0, 1} of column r; D
+    d0, d1 row r, columns 2q + {0, 1}, d2, d3 row r + 8. The asm's own choices: A register i
+    of mma j in block b is the word's nibbles i and 4 + i (code + 8) of weight word 8b + j,
+    B registers x words 2j and 2j + 1, the 8 mmas of a block chained from zero, then sum =
+    d0 * s + sum (rows r) and d2 * s + sum (rows r + 8). Sums in float64."""
+    words = [wi.astype(np.int64) & 0xFFFFFFFF for wi in w]  # word 4c + v: words[c][:, v]
+    out = acc.astype(np.float64)
+    lane = np.arange(32)
+    r, q = lane // 4, lane % 4
+    p = np.arange(8)  # nibble p: A register p % 4, half p // 4
+    a_rows = r[:, None] + 8 * (p % 4 % 2)[None, :]
+    a_cols = 2 * q[:, None] + (p // 4)[None, :] + 8 * (p % 4 // 2)[None, :]
+    for warp in range(acc.shape[0] // 32):
+        t = 32 * warp + lane
+        for b in range(2):
+            d = np.zeros((16, 8))
+            for j in range(8):
+                a = np.zeros((16, 16))
+                a[a_rows, a_cols] = (words[2 * b + j // 4][t, j % 4][:, None] >> (4 * p) & 15) - 8
+                bm = np.zeros((16, 8))
+                for e in range(2):
+                    bm[2 * q + e, r] = _halves(x[j // 2][t, 2 * (j % 2)], bf16)[:, e]
+                    bm[2 * q + 8 + e, r] = _halves(x[j // 2][t, 2 * (j % 2) + 1], bf16)[:, e]
+                d += a @ bm
+            d = d.astype(np.float32).astype(np.float64)  # the mma's fp32 result
+            out[t, 2 * b] += d[r, 2 * q] * s[t, 2 * b]
+            out[t, 2 * b + 1] += d[r + 8, 2 * q] * s[t, 2 * b + 1]
+    return out.astype(np.float32)
+
+
+@pytest.fixture
+def emulated_asm(monkeypatch):
+    """The interpreter runs _w4a16_gemv_mma_kernel's PTX branch (USE_ASM=True): every line
+    of its Triton (addresses, masks, scale loads, the lanes' group sums, split-K) as the GPU
+    would, the inline PTX alone replaced by emulate_mma_step."""
+    if not INTERPRET:
+        pytest.skip("on a GPU the PTX runs itself (test_decode_gemv_matches_reference)")
+    from triton.runtime import interpreter
+
+    asms = {w4a16_module.MMA_ASM_F16.value: False, w4a16_module.MMA_ASM_BF16.value: True}
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        assert asm in asms and pack == 4 and len(values) == 10, "not the GEMV's mma step"
+        data = [v.data for v in values]
+        out = emulate_mma_step(data[0:4], data[4:8], data[8], data[9], asms[asm])
+        return SimpleNamespace(get_result=lambda i: interpreter.TensorHandle(out, tl.float32))
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
+
+    def run(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
+        out = torch.empty(1, w.shape[0], dtype=x.dtype)
+        for config in configs.configs_for("w4a16", 1):  # 64, 128 and 256 rows per program
+            launch = w4a16_module.plan(x, w, out, config, configs.H100_SMS)
+            replace(launch, meta={**launch.meta, "USE_ASM": True})()
+        return out
+
+    return run
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group_size", [128, 64, 32])
-def test_ptx_branch_data_flow_is_within_the_bound(group_size, dtype):
-    torch.manual_seed(group_size)
-    weight, x = torch.randn(40, 256) * 0.05, torch.randn(1, 256).to(dtype)
+@pytest.mark.parametrize("n, k, group_size", [(100, 384, 128), (70, 256, 64), (40, 512, 32)])
+def test_ptx_branch_in_the_interpreter_is_within_the_bound(emulated_asm, n, k, group_size, dtype):
+    torch.manual_seed(n + group_size)
+    weight, x = torch.randn(n, k) * 0.05, torch.randn(1, k).to(dtype)
     weight[1, :5] = 0.8  # an outlier group
     w = pack_w4a16(weight.to(dtype), group_size)
-    assert_within_bound(emulate_ptx_branch(w, x), x, weight.to(dtype), group_size)
-    if group_size < 128:  # x in every column of B: each lane's sums mix the step's groups
+    assert_within_bound(emulated_asm(x, w), x, weight.to(dtype), group_size)
+    if group_size < 128:  # codes in g = 128's order: the kernel's k would not be the layout's
+        wrong = w._replace(words=pack_int4_mma(qlab.unpack_int4(w.packed), group_size=128))
         with pytest.raises(AssertionError, match="element"):
-            assert_within_bound(emulate_ptx_branch(w, x, masked=False), x, weight.to(dtype),
-                                group_size)  # fmt: skip
+            assert_within_bound(emulated_asm(x, wrong), x, weight.to(dtype), group_size)
 
 
 def test_every_decode_config_is_within_the_bound():
