@@ -200,7 +200,7 @@ def groups_per_step(group_size: int, k: int) -> int | None:
     return MMA_K // group_size if group_size in (32, 64) else None
 
 
-def _step_order(k: int, group_size: int) -> torch.Tensor:
+def _step_order(group_size: int, k: int) -> torch.Tensor:
     """The k order pack_int4_mma lays out: position 128S + 32q + i (thread q's share of step
     S, in the g = 128 layout) holds k = 128S + w t + (w / 4) q + i % (w / 4), with t =
     i // (w / 4) and w = 128 / groups_per_step the group's width: every mma.sync's 16 k lie
@@ -244,7 +244,7 @@ def pack_int4_mma(codes: torch.Tensor, *, group_size: int) -> torch.Tensor:
     n, k = codes.shape
     tiles = triton.cdiv(n, MMA_ROWS)
     nib = torch.full((tiles * MMA_ROWS, k), 8, dtype=torch.uint8)  # padding rows: code 0
-    nib[:n] = (codes.cpu()[:, _step_order(k, group_size)].to(torch.int16) + 8).to(torch.uint8)
+    nib[:n] = (codes.cpu()[:, _step_order(group_size, k)].to(torch.int16) + 8).to(torch.uint8)
     # shape: (T, b, rs, r, S, q, j // 4, j % 4, e_hi, e_lo)
     nib = nib.reshape(tiles, 2, 2, 8, k // MMA_K, 4, 2, 4, 2, 2)
     # shape: (T, S, c = (b, j // 4), lane = (r, q), v = j % 4, p = (e_lo, e_hi, rs))
@@ -266,7 +266,7 @@ def unpack_int4_mma(words: torch.Tensor, n: int, *, group_size: int) -> torch.Te
     nib = nib.reshape(tiles, k // MMA_K, 2, 2, 8, 4, 4, 2, 2, 2)
     nib = nib.permute(0, 2, 9, 4, 1, 5, 3, 6, 8, 7).reshape(tiles * MMA_ROWS, k)
     codes = torch.empty(n, k, dtype=torch.int8)
-    codes[:, _step_order(k, group_size)] = (nib[:n] - 8).to(torch.int8)
+    codes[:, _step_order(group_size, k)] = (nib[:n] - 8).to(torch.int8)
     return codes.to(words.device)
 
 
@@ -372,10 +372,12 @@ def _mma_step_asm(bf16: bool) -> str:
 
     Operands: $0..$3 the four fp32 sums out; $4..$19 the thread's 16 weight words (decode
     layout: words 0-7 the rows of mma block 0, 8-15 of block 1); $20..$35 its 16 words of
-    x (x[32q .. 32q + 31] as 16-bit pairs); $36..$39 the rows' scales (fp32); $40..$43 the
-    sums in. Per word: 4 LOP3 (and 1 or 3 shifts) give four 16-bit pairs (bf16: 128 + n, n =
-    code + 8; fp16: two of 1024 + n, two of 1024 + 16 n), one HADD2/HFMA2 each leaves the
-    code (a - 136 in bf16; a - 1032, or a / 16 - 72, in fp16), one HMMA.
+    x as 16-bit pairs (x[32q .. 32q + 31] when one group spans the step; at g = 64 and 32
+    the layout's k, zero outside the group of the thread's B column); $36..$39 the rows'
+    scales (fp32; of group q * GPS // 4 at g = 64 and 32); $40..$43 the sums in. Per word:
+    4 LOP3 (and 1 or 3 shifts) give four 16-bit pairs (bf16: 128 + n, n = code + 8; fp16:
+    two of 1024 + n, two of 1024 + 16 n), one HADD2/HFMA2 each leaves the code (a - 136 in
+    bf16; a - 1032, or a / 16 - 72, in fp16), one HMMA.
     """
     ty = "bf16" if bf16 else "f16"
     magic = "0x43004300" if bf16 else "0x64006400"
@@ -422,7 +424,8 @@ def _mma_step_asm(bf16: bool) -> str:
                 f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{d0, d1, d2, d3}}, "
                 f"{{a0, a1, a2, a3}}, {{{xa}, {xb}}}, {{{c}}};"
             )
-        # every column of B is x: d0 = d1 (row r), d2 = d3 (row r + 8)
+        # columns 2q and 2q + 1 of B carry the same x (all columns, or one group's): d0 = d1
+        # (row r), d2 = d3 (row r + 8)
         lines += [
             f"fma.rn.f32 ${2 * b}, d0, ${36 + 2 * b}, ${40 + 2 * b};",
             f"fma.rn.f32 ${2 * b + 1}, d2, ${37 + 2 * b}, ${41 + 2 * b};",
@@ -524,9 +527,9 @@ def _w4a16_gemv_mma_kernel(
         if GPS > 1:  # add the groups' partial sums: the four lanes q of a row r, each group once
             acc = tl.where(q % (4 // GPS) == 0, acc, 0.0)
             acc = tl.sum(tl.reshape(acc, (THREADS // 4, 4, 4)), axis=1)  # shape: ((warp, r), v)
-            lane = (tl.arange(0, THREADS // 4)[:, None] * 4) % 32  # lane 4r of each row r
-            offs_n = pid_n * BLOCK_N + (tl.arange(0, THREADS // 4)[:, None] // 8) * _MMA_ROWS
-            offs_n += 16 * (v // 2) + 8 * (v % 2) + lane // 4  # the rows, as above
+            wr = tl.arange(0, THREADS // 4)[:, None]  # 8 warp + r
+            offs_n = pid_n * BLOCK_N + (wr // 8) * _MMA_ROWS + 16 * (v // 2) + 8 * (v % 2)
+            offs_n += wr % 8  # the rows, as above
         local = offs_n - pid_n * BLOCK_N
         store_or_reduce(
             acc, out_ptr + offs_n, offs_n < N, ws_ptr, count_ptr, local,

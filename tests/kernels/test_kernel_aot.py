@@ -27,6 +27,8 @@ REQUESTS = {
     # no decode layout (K = 192 is not a multiple of 128): TinyLM's MLP up-projection at
     # chapter 13's group of 64
     "gemv_plain_g64": dict(kernel="w4a16", M=1, N=768, K=192, group_size=64),
+    # the plain GEMV with split-K (K = 4032 = 126 steps of 32, split 2): two loops in its SASS
+    "gemv_plain_split": dict(kernel="w4a16", M=1, N=4096, K=4032, group_size=32),
     "w4_small": dict(kernel="w4a16", M=16, **SQUARE),
     "w4_medium_fp16": dict(kernel="w4a16", M=64, dtype="fp16", **SQUARE),
     "w4_large": dict(kernel="w4a16", M=4096, **SQUARE),
@@ -121,8 +123,12 @@ def test_compile_for_reports_what_the_gpu_runs(built):
 
 
 def test_main_loop_of_the_plain_gemv_is_its_k_loop(built):
-    # no MMA anywhere: the K loop (cp.async weights, 157 instructions) and, after it, the
-    # split-K reduction loop (25 instructions, but 16 B of LDG per thread against 14 B)
+    # no MMA anywhere. With split-K, the K loop (cp.async weights) and, after it, the
+    # split-K reduction loop: the main loop must be the K loop
+    split = built["gemv_plain_split"]
+    assert split["grid"][1] == 2 and split["kernel"] == "_w4a16_gemv_kernel"
+    assert any(op.startswith("LDGSTS") for op in split["main_loop"]["mix"]), split["main_loop"]
+    # TinyLM's 768 x 192 (no split): the K loop, 157 instructions
     plain = built["gemv_plain_g64"]
     assert plain["kernel"] == "_w4a16_gemv_kernel"
     loop = plain["main_loop"]

@@ -49,18 +49,17 @@ def test_decode_layout_round_trips_and_follows_its_formula(group_size):
     assert words.dtype == torch.int32 and words.shape == (3, 4 * 256)
     assert torch.equal(unpack_int4_mma(words, 70, group_size=group_size), codes)
     u = words.to(torch.int64) & 0xFFFFFFFF
-    w = group_size if group_size < 128 else 128  # k of one group inside a step
-    for tile, step, b, rs, r, q, j, e_hi, e_lo in [(0, 0, 0, 0, 0, 0, 0, 0, 0),
-                                                   (1, 1, 1, 0, 5, 3, 6, 1, 0),
-                                                   (2, 0, 0, 1, 7, 2, 3, 0, 1),
-                                                   (2, 1, 1, 1, 7, 3, 7, 1, 1)]:  # fmt: skip
-        # mma j's k lie in group j // (w / 16) of the step: the docstring's formula
-        group, jj = divmod(j, w // 16)
-        row = 32 * tile + 16 * b + 8 * rs + r
-        k = 128 * step + w * group + w // 4 * q + 4 * jj + 2 * e_hi + e_lo
-        word = u[tile, 512 * step + 128 * (2 * b + j // 4) + 4 * (4 * r + q) + j % 4]
-        nibble = int(word >> 4 * (rs + 2 * e_hi + 4 * e_lo)) & 0xF
-        assert nibble == (int(codes[row, k]) + 8 if row < 70 else 8), (row, k)
+    w = min(group_size, 128)  # k of one group inside a step
+    # every (tile, step, b, rs, r, q, j, e_hi, e_lo) at once: the docstring's formula, mma j's
+    # k in group j // (w / 16) of the step
+    idx = torch.cartesian_prod(*(torch.arange(n) for n in (3, 2, 2, 2, 8, 4, 8, 2, 2))).T
+    tile, step, b, rs, r, q, j, e_hi, e_lo = idx
+    row = 32 * tile + 16 * b + 8 * rs + r
+    k = 128 * step + w * (j // (w // 16)) + w // 4 * q + 4 * (j % (w // 16)) + 2 * e_hi + e_lo
+    word = u[tile, 512 * step + 128 * (2 * b + j // 4) + 4 * (4 * r + q) + j % 4]
+    nibble = (word >> 4 * (rs + 2 * e_hi + 4 * e_lo)) & 0xF
+    padded = torch.cat([codes, torch.zeros(96 - 70, 256, dtype=codes.dtype)])  # code 0 rows
+    assert torch.equal(nibble, padded[row, k].to(torch.int64) + 8)
     with pytest.raises(ValueError, match="multiple of 128"):
         pack_int4_mma(codes[:, :96], group_size=32)
     with pytest.raises(ValueError, match="-8..7"):
@@ -162,12 +161,14 @@ def emulated_asm(monkeypatch):
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
 
-    def run(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
-        out = torch.empty(1, w.shape[0], dtype=x.dtype)
-        for config in configs.configs_for("w4a16", 1):  # 64, 128 and 256 rows per program
-            launch = w4a16_module.plan(x, w, out, config, configs.H100_SMS)
+    def run(x: torch.Tensor, w: W4A16Weight) -> list[torch.Tensor]:
+        """y for every decode config (128, 64 and 256 rows per program)."""
+        outs = []
+        for config in configs.configs_for("w4a16", 1):
+            outs.append(torch.empty(1, w.shape[0], dtype=x.dtype))
+            launch = w4a16_module.plan(x, w, outs[-1], config, configs.H100_SMS)
             replace(launch, meta={**launch.meta, "USE_ASM": True})()
-        return out
+        return outs
 
     return run
 
@@ -179,22 +180,24 @@ def test_ptx_branch_in_the_interpreter_is_within_the_bound(emulated_asm, n, k, g
     weight, x = torch.randn(n, k) * 0.05, torch.randn(1, k).to(dtype)
     weight[1, :5] = 0.8  # an outlier group
     w = pack_w4a16(weight.to(dtype), group_size)
-    assert_within_bound(emulated_asm(x, w), x, weight.to(dtype), group_size)
+    for y in emulated_asm(x, w):
+        assert_within_bound(y, x, weight.to(dtype), group_size)
     if group_size < 128:  # codes in g = 128's order: the kernel's k would not be the layout's
         wrong = w._replace(words=pack_int4_mma(qlab.unpack_int4(w.packed), group_size=128))
         with pytest.raises(AssertionError, match="element"):
-            assert_within_bound(emulated_asm(x, wrong), x, weight.to(dtype), group_size)
+            assert_within_bound(emulated_asm(x, wrong)[0], x, weight.to(dtype), group_size)
 
 
-def test_every_decode_config_is_within_the_bound():
+@pytest.mark.parametrize("group_size", [128, 64, 32])
+def test_every_decode_config_is_within_the_bound(group_size):
     torch.manual_seed(3)
     weight, x = torch.randn(300, 256) * 0.05, torch.randn(1, 256).half()
-    w = pack_w4a16(weight.to(DEVICE), 128)
+    w = pack_w4a16(weight.to(DEVICE), group_size)
     x2 = x.to(DEVICE)
-    for config in configs.configs_for("w4a16", 1):  # 64, 128 and 256 rows per program
+    for config in configs.configs_for("w4a16", 1):  # 128, 64 and 256 rows per program
         out = torch.empty(1, 300, dtype=x.dtype, device=DEVICE)
         w4a16_module.plan(x2, w, out, config, configs.H100_SMS)()
-        assert_within_bound(out, x, weight, 128)
+        assert_within_bound(out, x, weight, group_size)
     with pytest.raises(ValueError, match="32 \\* num_warps"):
         bad = configs.Config(block_m=1, block_n=32, block_k=128, num_warps=4, num_stages=1)
         w4a16_module.plan(x2, w, out, bad, configs.H100_SMS)
@@ -221,7 +224,8 @@ def test_bound_catches_a_wrong_decode_layout():
 # HMMA.16816. fp16: 64 LOP3 + 16 SHF + 64 HADD2/HFMA2, 200-203 instructions; bf16 reads no
 # high nibble in place (7 mantissa bits): 48 SHF, 233-235. Groups of 64 and 32 (several
 # groups per step) add 8 CS2R (the zeros of the masked x loads) and 4 (fp16) or 1 (bf16)
-# UIADD3: 212 and 242. Issue 22's target: 4.
+# UIADD3: 212 and 242 (bf16: 64 registers, the cap below). Pinned under Triton 3.9 and its
+# ptxas. Issue 22's target: 4.
 MAX_PER_WEIGHT_BYTE = {("fp16", False): 3.2, ("bf16", False): 3.7, ("fp16", True): 3.35,
                        ("bf16", True): 3.8}  # fmt: skip
 
@@ -280,9 +284,9 @@ def test_whole_decode_program_is_under_the_h200_issue_ridge(decode_builds):
     assert 4.9 < per_byte["square", "bf16"] < 5.0 and 4.4 < per_byte["square", "fp16"] < 4.5
     assert 3.9 < per_byte["tall", "bf16"] < 4.0 and 3.4 < per_byte["tall", "fp16"] < 3.5
     # at g = 64 and 32 a longer prologue (106-107) and an epilogue that adds the lanes' group
-    # sums (86-91): 5.3 and 4.8-4.9
+    # sums (77-82): 5.2-5.3 and 4.7-4.8 (Triton 3.9's ptxas; lower bounds too, as above)
     for shape in ("square-g64", "square-g32"):
-        assert 5.2 < per_byte[shape, "bf16"] < 5.4 and 4.8 < per_byte[shape, "fp16"] < 4.9
+        assert 5.2 < per_byte[shape, "bf16"] < 5.3 and 4.7 < per_byte[shape, "fp16"] < 4.8
 
 
 def test_decode_gemv_uses_64_bit_offsets_past_2_gb_of_words():
