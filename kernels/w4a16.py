@@ -31,7 +31,8 @@ At g = 64 and 32 a step holds GPS = 128 / g groups, and K is permuted inside a s
 every mma's 16 k lie in one group. Column n of B carries x only in the mmas of group
 n * GPS // 8 (masked loads give zeros in the others), so the sums a thread holds (D columns
 2q, 2q + 1) are those of group q * GPS // 4 alone: it scales them by s[rows, k0 // g +
-q * GPS // 4], and after the loop the lanes q of a row add their groups' sums.
+q * GPS // 4], and after the loop the lanes q of a row add their groups' sums, each group
+once (the lanes with q % (4 / GPS) == 0).
 
 The tensor cores do the multiply-adds, so the loop issues about 3.1 (fp16) or 3.6 (bf16)
 SASS instructions per weight byte (tests/kernels/test_w4a16_decode.py): below the 9.2 and
@@ -203,8 +204,9 @@ def groups_per_step(group_size: int, k: int) -> int | None:
 def _step_order(group_size: int, k: int) -> torch.Tensor:
     """The k order pack_int4_mma lays out: position 128S + 32q + i (thread q's share of step
     S, in the g = 128 layout) holds k = 128S + w t + (w / 4) q + i % (w / 4), with t =
-    i // (w / 4) and w = 128 / groups_per_step the group's width: every mma.sync's 16 k lie
-    in one group, so its sum can take that group's scale. The identity for g >= 128."""
+    i // (w / 4) and w = 128 / groups_per_step the k of one group inside a step: every
+    mma.sync's 16 k lie in one group, so its sum can take that group's scale. The identity
+    for g a multiple of 128."""
     gps = groups_per_step(group_size, k)
     if gps is None:
         raise ValueError(
@@ -467,7 +469,7 @@ def _mma_step(w_step, x_step, x_group, s, acc, BF16: tl.constexpr, GPS: tl.const
 def _w4a16_gemv_mma_kernel(
     # pointers
     x_ptr,  # fp16/bf16 (K,), 16-byte aligned
-    words_ptr,  # int32 (ceil(N / 32), 4 K): pack_int4_mma(codes)
+    words_ptr,  # int32 (ceil(N / 32), 4 K): pack_int4_mma(codes, group_size=GROUP_SIZE)
     scales_ptr,  # fp16 (N, K // GROUP_SIZE)
     out_ptr,  # x's dtype (N,)
     ws_ptr,  # fp32 split-K workspace
@@ -651,7 +653,8 @@ def _block_k(config: Config, group_size: int) -> int:
 def _plan_gemv_mma(x2, w: W4A16Weight, out, config: Config, sms: int, buffers) -> Launch:
     """The tensor-core GEMV: config.block_n rows per program, one warp per 32 rows."""
     N, K = w.shape
-    if groups_per_step(w.group_size, K) is None:
+    gps = groups_per_step(w.group_size, K)
+    if gps is None:
         raise ValueError(f"no decode layout for group_size {w.group_size} at K = {K}")
     if config.block_n != MMA_ROWS * config.num_warps:
         raise ValueError(f"a decode config needs block_n = 32 * num_warps, got {config}")
@@ -665,7 +668,7 @@ def _plan_gemv_mma(x2, w: W4A16Weight, out, config: Config, sms: int, buffers) -
         grid=(tiles, split),
         args=(x2, w.words, w.scales, out, ws, counts, N, K,
               w.words.stride(0), w.scales.stride(0), split),  # fmt: skip
-        meta=dict(GROUP_SIZE=w.group_size, GPS=groups_per_step(w.group_size, K),
+        meta=dict(GROUP_SIZE=w.group_size, GPS=gps,
                   BLOCK_N=config.block_n, USE_ASM=not INTERPRET,
                   INDEX_64=needs_int64(w.words), num_warps=config.num_warps),  # fmt: skip
         config=config,

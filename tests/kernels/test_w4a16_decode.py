@@ -7,6 +7,7 @@ the inline PTX emulated (by the PTX ISA's mma fragments), and the SASS ptxas mak
 sm_90 (instructions per weight byte of the main loop, registers, spills).
 """
 
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -98,45 +99,66 @@ def test_decode_gemv_matches_reference(n, k, group_size, dtype, monkeypatch):
     assert_within_bound(y, x, weight.to(dtype), group_size)
 
 
-def _halves(words: np.ndarray, bf16: bool) -> np.ndarray:
+def _halves(words, bf16: bool) -> np.ndarray:
     """int32 words (n,) -> their two 16-bit halves as float64 (n, 2), low half first."""
-    u = words.astype(np.int64) & 0xFFFFFFFF
-    h = np.stack([u & 0xFFFF, u >> 16], axis=1)
+    u = np.asarray(words).astype(np.int64) & 0xFFFFFFFF
+    h = np.stack([u & 0xFFFF, u >> 16], axis=-1)
     if bf16:  # a bf16 is the top half of an fp32
         return (h << 16).astype(np.uint32).view(np.float32).astype(np.float64)
     return h.astype(np.uint16).view(np.float16).astype(np.float64)
 
 
-def emulate_mma_step(w, x, s, acc, bf16: bool) -> np.ndarray:
+def _asm_codes(asm: str, word: np.ndarray, bf16: bool) -> np.ndarray:
+    """The four A registers' 16-bit pairs as _mma_step_asm makes them from weight words (n,):
+    its magic and k_mul/k_add/k_sub constants read from its text; its masks, shifts (4i in
+    bf16; 0 and 8 in fp16), LOP3 (lut 0xEA: a & b | c) and paired add/fma as written there.
+    -> float64 (n, 4 registers, 2 halves)."""
+    const = dict(re.findall(r"mov\.b32 (k_\w+), (0x[0-9a-f]+);", asm))
+    k_mul, k_add, k_sub = (_halves(int(const[k], 16), bf16) for k in ("k_mul", "k_add", "k_sub"))
+    magic = int(re.search(r"lop3\.b32 a0, \$\d+, 0x000f000f, (0x[0-9a-f]+), 0xea;", asm)[1], 16)
+    w = word.astype(np.int64) & 0xFFFFFFFF
+
+    def lop3(x, mask):  # a & b | c
+        return _halves((x & mask) | magic, bf16)
+
+    if bf16:  # a_i = (w >> 4i) & 0x000f000f | magic, then a * k_mul + k_add
+        return np.stack([lop3(w >> 4 * i, 0x000F000F) * k_mul + k_add for i in range(4)], 1)
+    # fp16: a0, a2 from bits 0-3 (+ k_sub); a1, a3 the high nibble in place (* k_mul + k_add)
+    return np.stack([lop3(w, 0x000F000F) + k_sub, lop3(w, 0x00F000F0) * k_mul + k_add,
+                     lop3(w >> 8, 0x000F000F) + k_sub,
+                     lop3(w >> 8, 0x00F000F0) * k_mul + k_add], 1)  # fmt: skip
+
+
+def emulate_mma_step(asm: str, w, x, s, acc, bf16: bool) -> np.ndarray:
     """_mma_step_asm's result for every thread of a block, from its operands as the kernel
-    loaded them (each (THREADS, 4); thread t is lane t % 32 of warp t // 32), by the PTX ISA's
-    mma.m16n8k16 fragments (f16/bf16 A row-major, B column-major, f32 C/D; lane = 4r + q):
-    A register i holds row r + 8 (i % 2), columns 2q + 8 (i // 2) + {0, 1} in its low and high
-    halves; B register 0 rows 2q + {0, 1} and register 1 rows 2q + 8 + {0, 1} of column r; D
-    d0, d1 row r, columns 2q + {0, 1}, d2, d3 row r + 8. The asm's own choices: A register i
-    of mma j in block b is the word's nibbles i and 4 + i (code + 8) of weight word 8b + j,
-    B registers x words 2j and 2j + 1, the 8 mmas of a block chained from zero, then sum =
-    d0 * s + sum (rows r) and d2 * s + sum (rows r + 8). Sums in float64."""
-    words = [wi.astype(np.int64) & 0xFFFFFFFF for wi in w]  # word 4c + v: words[c][:, v]
+    loaded them (each (THREADS, 4); thread t is lane t % 32 of warp t // 32, and with pack=4
+    its elements 0..3 are the asm's operands in order), by the PTX ISA's mma.m16n8k16
+    fragments (f16/bf16 A row-major, B column-major, f32 C/D; lane = 4r + q): A register i
+    holds row r + 8 (i % 2), columns 2q + 8 (i // 2) + {0, 1} in its low and high halves; B
+    register 0 rows 2q + {0, 1} and register 1 rows 2q + 8 + {0, 1} of column r; D d0, d1 row
+    r, columns 2q + {0, 1}, d2, d3 row r + 8. The asm's own choices: A register i of mma j in
+    block b is made from weight word 8b + j (_asm_codes), B registers are x words 2j and
+    2j + 1, the 8 mmas of a block chained from zero, then sum = d0 * s + sum (rows r) and
+    d2 * s + sum (rows r + 8). Products and sums in float64, D rounded to fp32 after every mma
+    (to nearest; the hardware's rounding is not modelled: the bound allows for it)."""
     out = acc.astype(np.float64)
     lane = np.arange(32)
     r, q = lane // 4, lane % 4
-    p = np.arange(8)  # nibble p: A register p % 4, half p // 4
-    a_rows = r[:, None] + 8 * (p % 4 % 2)[None, :]
-    a_cols = 2 * q[:, None] + (p // 4)[None, :] + 8 * (p % 4 // 2)[None, :]
+    i, half = np.arange(4)[:, None], np.arange(2)[None, :]  # A register, its half
+    a_rows = r[:, None, None] + 8 * (i % 2)[None]
+    a_cols = 2 * q[:, None, None] + half[None] + 8 * (i // 2)[None]
     for warp in range(acc.shape[0] // 32):
         t = 32 * warp + lane
         for b in range(2):
             d = np.zeros((16, 8))
             for j in range(8):
                 a = np.zeros((16, 16))
-                a[a_rows, a_cols] = (words[2 * b + j // 4][t, j % 4][:, None] >> (4 * p) & 15) - 8
+                a[a_rows, a_cols] = _asm_codes(asm, w[2 * b + j // 4][t, j % 4], bf16)
                 bm = np.zeros((16, 8))
                 for e in range(2):
                     bm[2 * q + e, r] = _halves(x[j // 2][t, 2 * (j % 2)], bf16)[:, e]
                     bm[2 * q + 8 + e, r] = _halves(x[j // 2][t, 2 * (j % 2) + 1], bf16)[:, e]
-                d += a @ bm
-            d = d.astype(np.float32).astype(np.float64)  # the mma's fp32 result
+                d = (d + a @ bm).astype(np.float32).astype(np.float64)
             out[t, 2 * b] += d[r, 2 * q] * s[t, 2 * b]
             out[t, 2 * b + 1] += d[r + 8, 2 * q] * s[t, 2 * b + 1]
     return out.astype(np.float32)
@@ -156,7 +178,7 @@ def emulated_asm(monkeypatch):
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         assert asm in asms and pack == 4 and len(values) == 10, "not the GEMV's mma step"
         data = [v.data for v in values]
-        out = emulate_mma_step(data[0:4], data[4:8], data[8], data[9], asms[asm])
+        out = emulate_mma_step(asm, data[0:4], data[4:8], data[8], data[9], asms[asm])
         return SimpleNamespace(get_result=lambda i: interpreter.TensorHandle(out, tl.float32))
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
@@ -174,7 +196,8 @@ def emulated_asm(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n, k, group_size", [(100, 384, 128), (70, 256, 64), (40, 512, 32)])
+# K = 384 and 768: several K steps per program (split-K divides 3 and 6 steps by 1 and 2)
+@pytest.mark.parametrize("n, k, group_size", [(100, 384, 128), (70, 384, 64), (40, 768, 32)])
 def test_ptx_branch_in_the_interpreter_is_within_the_bound(emulated_asm, n, k, group_size, dtype):
     torch.manual_seed(n + group_size)
     weight, x = torch.randn(n, k) * 0.05, torch.randn(1, k).to(dtype)

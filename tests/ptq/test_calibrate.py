@@ -93,9 +93,9 @@ def test_end_to_end_through_the_w4a16_kernel():
     assert not any(isinstance(m, torch.nn.Linear) for m in kernel_model.modules())
     prompt = encode("Retu")[None]
     # the first new byte comes from the prefill (the GEMM, M = 4), the second from a decode
-    # step on the cache (the GEMV, M = 1): every linear, both kernels (the GEMV on tensor
-    # cores for fc2, K = 768, and the plain one for K = 192); slow on the interpreter, so
-    # 4 + 2 bytes
+    # step on the cache (the GEMV, M = 1): every linear, both kernels (the decode-layout
+    # GEMV for fc2, K = 768, here its plain-Triton branch, and the plain GEMV for K = 192);
+    # slow on the interpreter, so 4 + 2 bytes
     want = model.generate(prompt, 2)
     got = kernel_model.generate(prompt, 2)
     assert decode(got[0]) == decode(want[0]), (decode(got[0]), decode(want[0]))
