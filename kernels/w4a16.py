@@ -105,7 +105,8 @@ class W4A16Weight(NamedTuple):
     group_size: int
     shape: tuple[int, int]  # (N, K) of the original weight
     # int32 (ceil(N / 32), 4 K): the same codes in the decode layout (pack_int4_mma) that
-    # the tensor-core GEMV reads; None where groups_per_step(group_size, K) is None
+    # the tensor-core GEMV reads, in group_size's order (not checked: words packed for another
+    # group give wrong results); None where groups_per_step(group_size, K) is None
     words: torch.Tensor | None = None
 
     @property
@@ -426,8 +427,8 @@ def _mma_step_asm(bf16: bool) -> str:
                 f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{d0, d1, d2, d3}}, "
                 f"{{a0, a1, a2, a3}}, {{{xa}, {xb}}}, {{{c}}};"
             )
-        # columns 2q and 2q + 1 of B carry the same x (all columns, or one group's): d0 = d1
-        # (row r), d2 = d3 (row r + 8)
+        # d0 (row r) and d2 (row r + 8) are column 2q; d1 and d3 (column 2q + 1, the same x:
+        # all columns, or one group's) are not used
         lines += [
             f"fma.rn.f32 ${2 * b}, d0, ${36 + 2 * b}, ${40 + 2 * b};",
             f"fma.rn.f32 ${2 * b + 1}, d2, ${37 + 2 * b}, ${41 + 2 * b};",
