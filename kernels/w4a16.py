@@ -59,8 +59,8 @@ rounding of c * s to 16 bits per weight (the tolerance, kernels/tolerance.py, co
 
 int4 -> float without an int-to-float instruction (in the plain GEMV and the GEMM still
 several SASS instructions per nibble: the plain GEMV issues about 19.6 per packed byte at
-g = 64 (768 x 192), which makes it instruction-bound rather than bandwidth-bound by the
-model): XOR-ing a nibble with 8 gives code + 8 (4-bit two's complement to offset binary);
+g = 64 (768 x 192), which makes its K loop instruction-bound rather than bandwidth-bound
+by the model): XOR-ing a nibble with 8 gives code + 8 (4-bit two's complement to offset binary);
 placed in the mantissa of 2**23 (fp32) or 1024 (fp16) it reads as 2**23 + code + 8, and one
 subtraction leaves the exact code:
     fp32(0x4B000000 | (nib ^ 8)) - (2**23 + 8) == code
@@ -105,8 +105,9 @@ class W4A16Weight(NamedTuple):
     group_size: int
     shape: tuple[int, int]  # (N, K) of the original weight
     # int32 (ceil(N / 32), 4 K): the same codes in the decode layout (pack_int4_mma) that
-    # the tensor-core GEMV reads, in group_size's order (not checked: words packed for another
-    # group give wrong results); None where groups_per_step(group_size, K) is None
+    # the tensor-core GEMV reads, in group_size's step order (not checked: words packed for a
+    # group with another order, 32, 64 or a multiple of 128, give wrong results); None where
+    # groups_per_step(group_size, K) is None
     words: torch.Tensor | None = None
 
     @property

@@ -131,9 +131,11 @@ def run_asm(asm: str, operands: list) -> np.ndarray:
     fma.rn.{f16,bf16}x2 and fma.rn.f32 lane by lane; mma.sync.m16n8k16 (row.col, f32
     accumulators) warp by warp, by its fragment layouts (lane = 4r + q): A register i holds
     row r + 8 (i % 2), columns 2q + 8 (i // 2) + {0, 1} in its halves; B register k rows 2q +
-    8k + {0, 1} of column r; C/D register k row r + 8 (k // 2), column 2q + k % 2. Products
-    and sums in float64, D rounded to fp32 (to nearest: the hardware's rounding is not
-    modelled, the bound allows for it). Returns $0..$3, (THREADS, 4) float32."""
+    8k + {0, 1} of column r; C/D register k row r + 8 (k // 2), column 2q + k % 2. Every
+    result is computed in float64 and rounded to nearest in its type: an fma may be 1 ulp
+    off at a rare double-rounding tie (the conversions' small integers are exact), and the
+    mma's own rounding is not modelled (the bound allows for both). Returns $0..$3,
+    (THREADS, 4) float32."""
     threads = operands[0].shape[0]
     reg = {f"${4 + 4 * i + v}": op[:, v] for i, op in enumerate(operands) for v in range(4)}
 
