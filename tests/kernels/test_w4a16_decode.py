@@ -103,19 +103,14 @@ def test_decode_gemv_matches_reference(n, k, group_size, dtype, monkeypatch):
 def _halves(u: np.ndarray, bf16: bool) -> np.ndarray:
     """32-bit words (n,) -> their two 16-bit halves as float64 (n, 2), low half first."""
     u = np.asarray(u).astype(np.int64) & 0xFFFFFFFF
-    h = np.stack([u & 0xFFFF, u >> 16], axis=-1)
-    if bf16:  # a bf16 is the top half of an fp32
-        return (h << 16).astype(np.uint32).view(np.float32).astype(np.float64)
-    return h.astype(np.uint16).view(np.float16).astype(np.float64)
+    h = torch.from_numpy(np.stack([u & 0xFFFF, u >> 16], axis=-1).astype(np.uint16))
+    return h.view(torch.bfloat16 if bf16 else torch.float16).double().numpy()
 
 
 def _words(v: np.ndarray, bf16: bool) -> np.ndarray:
-    """float64 (n, 2) -> 32-bit words of two 16-bit halves, each rounded to nearest even."""
-    if bf16:
-        b = v.astype(np.float32).view(np.uint32).astype(np.int64)
-        h = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    else:
-        h = v.astype(np.float16).view(np.uint16).astype(np.int64)
+    """float64 (n, 2) -> 32-bit words of two 16-bit halves, each rounded to nearest (torch)."""
+    h = torch.from_numpy(v).to(torch.bfloat16 if bf16 else torch.float16).view(torch.uint16)
+    h = h.numpy().astype(np.int64)
     return h[:, 0] | (h[:, 1] << 16)
 
 
