@@ -108,7 +108,8 @@ def _halves(u: np.ndarray, bf16: bool) -> np.ndarray:
 
 
 def _words(v: np.ndarray, bf16: bool) -> np.ndarray:
-    """float64 (n, 2) -> 32-bit words of two 16-bit halves, each rounded to nearest (torch)."""
+    """float64 (n, 2) -> 32-bit words of two 16-bit halves, each rounded to nearest by torch
+    through fp32 (float64 -> fp32 -> 16 bit: a double rounding, see run_asm)."""
     h = torch.from_numpy(v).to(torch.bfloat16 if bf16 else torch.float16).view(torch.uint16)
     h = h.numpy().astype(np.int64)
     return h[:, 0] | (h[:, 1] << 16)
@@ -127,9 +128,10 @@ def run_asm(asm: str, operands: list) -> np.ndarray:
     accumulators) warp by warp, by its fragment layouts (lane = 4r + q): A register i holds
     row r + 8 (i % 2), columns 2q + 8 (i // 2) + {0, 1} in its halves; B register k rows 2q +
     8k + {0, 1} of column r; C/D register k row r + 8 (k // 2), column 2q + k % 2. Every
-    result is computed in float64 and rounded to nearest in its type: an fma may be 1 ulp
-    off at a rare double-rounding tie (the conversions' small integers are exact), and the
-    mma's own rounding is not modelled (the bound allows for both). Returns $0..$3,
+    arithmetic result is computed in float64 and rounded to nearest (16-bit results through
+    fp32): an add or fma may be 1 ulp off at a rare double-rounding tie (the conversions'
+    small integers are exact), and the mma's own rounding is not modelled (the bound allows
+    for both). Returns $0..$3,
     (THREADS, 4) float32."""
     threads = operands[0].shape[0]
     reg = {f"${4 + 4 * i + v}": op[:, v] for i, op in enumerate(operands) for v in range(4)}
