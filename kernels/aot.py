@@ -10,8 +10,9 @@ M bucket (or `config=`), the split-K the wrapper would pick on an H100 (132 SMs,
 `sms=`), and Triton's own argument specialization (16-byte alignment, divisibility by 16),
 then Triton's GPU pipeline TTIR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for `arch`.
 No driver is needed. The kernels on a machine without a GPU are interpreter functions, so
-the build runs in a fresh Python with TRITON_INTERPRET=0 (up to tens of seconds per
-build, depending on the machine; Triton caches).
+the build runs in another Python with TRITON_INTERPRET=0 (up to tens of seconds per
+build, depending on the machine; Triton caches), which stays for the next build for two
+minutes (compile_many).
 
 What the GPU runs is the cubin's SASS, not the PTX: ptxas may serialise what the PTX
 pipelined. So each launch also carries, from the tools that ship inside the triton wheel:
@@ -31,12 +32,16 @@ n_spills (= spill_bytes) stays for older callers. Helpers below read PTX and SAS
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
@@ -71,40 +76,150 @@ def compile_for(kernel: str, M: int, N: int, K: int, arch: int = 90, **opts) -> 
     return compile_many([dict(kernel=kernel, M=M, N=N, K=K, arch=arch, **opts)])[0]
 
 
-def compile_many(requests: list[dict], timeout: float = 600,
-                 workers: int | None = None) -> list[dict]:  # fmt: skip
-    """compile_for for several requests, in `workers` fresh Pythons at once (default: one
-    per CPU core, at most 4); each starts once and builds its share in order."""
+def compile_many(requests: list[dict], timeout: float = 600, workers: int | None = None,
+                 keep: bool = True) -> list[dict]:  # fmt: skip
+    """compile_for for several requests, on `workers` build processes at once (default: one
+    per CPU core, at most 4), each building its share in order.
+
+    A build process is a Python with TRITON_INTERPRET=0 that has imported torch, Triton and
+    the kernels once (about 3 CPU s on a 2.0 GHz Xeon core, more than many builds take).
+    With keep=True it stays for the next call from this process with the same environment
+    and working folder, and exits after IDLE_EXIT_S seconds without work or when this
+    process ends; keep=False ends it after this call (its CPU time then counts in
+    RUSAGE_CHILDREN)."""
     for r in requests:
         _check_request(r)
     # identical requests are built once
     keys = [json.dumps(_jsonable(r), sort_keys=True) for r in requests]
     unique = list(dict.fromkeys(keys))
     if len(unique) < len(requests):
-        done = compile_many([json.loads(k) for k in unique], timeout, workers)
+        done = compile_many([json.loads(k) for k in unique], timeout, workers, keep)
         built = dict(zip(unique, done, strict=True))
         return [built[k] for k in keys]
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     env.setdefault("CUDA_VISIBLE_DEVICES", "")  # the build needs no GPU
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(requests)))
     shares = [list(range(i, len(requests), workers)) for i in range(workers)]
+    servers = [_Server.take(env) for _ in shares]
 
-    def build(share: list[int]) -> subprocess.CompletedProcess:
-        payload = json.dumps([_jsonable(requests[i]) for i in share])
-        return subprocess.run([sys.executable, "-m", "qlab.kernels.aot"], input=payload,
-                              env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    def build(server: _Server, share: list[int]) -> list[dict]:
+        return server.build([_jsonable(requests[i]) for i in share], timeout)
 
-    with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own child process
-        done = list(pool.map(build, shares))
+    try:
+        with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own process
+            done = list(pool.map(build, servers, shares))
+    finally:
+        for server in servers:
+            server.release(keep)
     results: list[dict | None] = [None] * len(requests)
-    for share, child in zip(shares, done, strict=True):
-        if child.returncode != 0:
-            raise RuntimeError(f"ahead-of-time build failed:\n{child.stderr[-4000:]}")
-        for i, built in zip(share, json.loads(child.stdout.strip().splitlines()[-1]), strict=True):
+    for share, built_share in zip(shares, done, strict=True):
+        for i, built in zip(share, built_share, strict=True):
             for launch in built["launches"]:
                 launch["cubin"] = base64.b64decode(launch["cubin"])
             results[i] = dict(built["launches"][0], launches=built["launches"])
     return results
+
+
+IDLE_EXIT_S = 120  # a kept build process exits after this long without a request (or
+# after QLAB_AOT_IDLE_S seconds, when that is set)
+
+
+class _Server:
+    """One build process (`python -m qlab.kernels.aot`): a JSON line of requests in, a JSON
+    line of results (or of the build's traceback) out. Idle ones wait in _IDLE, by the
+    environment and working folder they were started with."""
+
+    _IDLE: dict[tuple, list[_Server]] = {}
+    _LOCK = threading.Lock()
+
+    def __init__(self, env: dict[str, str]):
+        self.key = (tuple(sorted(env.items())), os.getcwd())
+        self.err = tempfile.TemporaryFile()  # its stderr, for the message if it fails
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qlab.kernels.aot"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.err, env=env, text=True,
+        )  # fmt: skip
+        self.idle_since = 0.0
+        self.idle_exit = float(env.get("QLAB_AOT_IDLE_S", IDLE_EXIT_S))
+
+    @classmethod
+    def take(cls, env: dict[str, str]) -> _Server:
+        key = (tuple(sorted(env.items())), os.getcwd())
+        stale = []
+        with cls._LOCK:
+            idle = cls._IDLE.get(key, [])
+            while idle:
+                server = idle.pop()
+                # one that may be exiting for idleness is not used
+                fresh = time.monotonic() - server.idle_since < server.idle_exit / 2
+                if fresh and server.proc.poll() is None:
+                    break
+                stale.append(server)
+            else:
+                server = None
+        for old in stale:
+            old.close()
+        return server or cls(env)
+
+    def build(self, requests: list[dict], timeout: float) -> list[dict]:
+        start = time.monotonic()
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        try:
+            self.proc.stdin.write(json.dumps(requests) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except OSError:  # it died before reading the requests
+            line = ""
+        finally:
+            timer.cancel()
+        if not line.endswith("\n"):  # nothing, or cut off: the process died
+            self.proc.kill()
+            code = self.proc.wait()
+            self.err.seek(0)
+            tail = self.err.read().decode(errors="replace")[-4000:]
+            self.close()
+            why = (f"timed out after {timeout:g} s" if time.monotonic() - start >= timeout
+                   else f"its build process ended (exit code {code})")  # fmt: skip
+            raise RuntimeError(f"ahead-of-time build failed: {why}\n{tail}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"ahead-of-time build failed:\n{reply['error'][-4000:]}")
+        return reply["results"]
+
+    def release(self, keep: bool) -> None:
+        if not keep or self.proc.poll() is not None:
+            self.close()
+            return
+        self.idle_since = time.monotonic()
+        with self._LOCK:
+            self._IDLE.setdefault(self.key, []).append(self)
+
+    def close(self) -> None:
+        """End the process (it exits when its input closes) and wait for it."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.err.close()
+
+    @classmethod
+    def close_all(cls) -> None:
+        with cls._LOCK:
+            servers = [s for idle in cls._IDLE.values() for s in idle]
+            cls._IDLE.clear()
+        for server in servers:
+            server.close()
+
+
+atexit.register(_Server.close_all)
 
 
 def _check_request(r: dict) -> None:
@@ -345,7 +460,6 @@ def _read_binary(ptx: str, cubin: bytes, arch: int) -> dict:
     """cuobjdump (resources, SASS) and ptxas -v (messages) on one build; cached on disk in
     Triton's cache, keyed by the PTX and the cubin, so a rebuild runs neither tool again."""
     import hashlib
-    import tempfile
 
     import triton
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
@@ -395,15 +509,31 @@ def _main_loop_or_none(sass: str) -> dict | None:
         return None
 
 
-def _child() -> None:
-    requests = json.loads(sys.stdin.read())
-    results = []
-    for r in requests:
-        results.append({"launches": [_build(launch, r.get("arch", 90)) for launch in _plans(r)]})
-    print(json.dumps(results))
+def _serve() -> None:
+    """The build process: for each line of requests on stdin, one line of results on the
+    real stdout; anything the build prints goes to stderr. Ends at the end of its input or
+    after IDLE_EXIT_S (or QLAB_AOT_IDLE_S) seconds without a request."""
+    import select
+    import traceback
+
+    idle_exit = float(os.environ.get("QLAB_AOT_IDLE_S", IDLE_EXIT_S))
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # print() in a build must not break the protocol
+    while select.select([sys.stdin], [], [], idle_exit)[0]:
+        line = sys.stdin.readline()
+        if not line:
+            return
+        try:
+            reply = {"results": [{"launches": [_build(launch, r.get("arch", 90))
+                                               for launch in _plans(r)]}
+                                 for r in json.loads(line)]}  # fmt: skip
+        except Exception:
+            reply = {"error": traceback.format_exc()}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("run through qlab.kernels.compile_for (needs TRITON_INTERPRET=0)")
-    _child()
+    _serve()

@@ -67,7 +67,7 @@ def compile_all(requests: list[dict]) -> dict:
         old = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = cache
         try:
-            built = aot.compile_many(requests, timeout=COMPILE_TIMEOUT_S, workers=1)
+            built = aot.compile_many(requests, timeout=COMPILE_TIMEOUT_S, workers=1, keep=False)
         finally:
             if old is None:
                 os.environ.pop("TRITON_CACHE_DIR")

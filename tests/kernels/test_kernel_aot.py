@@ -304,6 +304,36 @@ def test_compile_for_builds_the_wrappers_launch(built):
         assert built[name]["kernel"] == launch.kernel.__name__
 
 
+def _idle_servers() -> list:
+    return [s for idle in aot._Server._IDLE.values() for s in idle]
+
+
+def test_build_processes_are_kept_reused_and_ended(monkeypatch):
+    """compile_many keeps its build process for the next call with the same environment;
+    a build error leaves it usable; keep=False, a timeout or its idle time end it."""
+    small = dict(kernel="dequant", M=1, N=256, K=256)
+    aot._Server.close_all()
+    compile_many = aot.compile_many
+    compile_many([small], workers=1)
+    (a,) = _idle_servers()
+    with pytest.raises(RuntimeError, match="(?s)build failed:\n.*unexpected keyword"):
+        compile_many([dict(small, config={"nonsense": 1})], workers=1)
+    assert compile_many([small], workers=1)[0]["kernel"] == "_dequant_int4_kernel"
+    assert _idle_servers() == [a] and a.proc.poll() is None
+    # another environment gets another process; this one ends itself after 1 idle second
+    monkeypatch.setenv("QLAB_AOT_IDLE_S", "1")
+    compile_many([small], workers=1)
+    (b,) = [s for s in _idle_servers() if s is not a]
+    assert b.proc.wait(timeout=60) == 0
+    monkeypatch.delenv("QLAB_AOT_IDLE_S")
+    compile_many([small], workers=1, keep=False)  # a's last build
+    assert a.proc.returncode == 0 and a not in _idle_servers()
+    with pytest.raises(RuntimeError, match="timed out after 0.01 s"):
+        compile_many([dict(kernel="w4a16", M=1, N=8192, K=28672)], timeout=0.01, workers=1)
+    assert not [s for s in _idle_servers() if s is not b]
+    aot._Server.close_all()
+
+
 def test_compile_for_rejects_unknown_kernels_and_options():
     with pytest.raises(ValueError, match="kernel must be one of"):
         compile_for("int3", 1, 64, 64)
