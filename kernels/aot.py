@@ -11,8 +11,8 @@ M bucket (or `config=`), the split-K the wrapper would pick on an H100 (132 SMs,
 then Triton's GPU pipeline TTIR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for `arch`.
 No driver is needed. The kernels on a machine without a GPU are interpreter functions, so
 the build runs in another Python with TRITON_INTERPRET=0 (up to tens of seconds per
-build, depending on the machine; Triton caches), which stays for the next build for two
-minutes (compile_many).
+build, depending on the machine; Triton caches), kept for later builds until it has been
+idle for two minutes (compile_many says when one is reused).
 
 What the GPU runs is the cubin's SASS, not the PTX: ptxas may serialise what the PTX
 pipelined. So each launch also carries, from the tools that ship inside the triton wheel:
@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
@@ -81,12 +80,14 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     """compile_for for several requests, on `workers` build processes at once (default: one
     per CPU core, at most 4), each building its share in order.
 
-    A build process is a Python with TRITON_INTERPRET=0 that has imported torch, Triton and
-    the kernels once (about 3 CPU s on a 2.0 GHz Xeon core, more than many builds take).
-    With keep=True it stays for the next call from this process with the same environment
-    and working folder, and exits after IDLE_EXIT_S seconds without work or when this
-    process ends; keep=False ends it after this call (its CPU time then counts in
-    RUSAGE_CHILDREN)."""
+    A build process is a Python with TRITON_INTERPRET=0 that imports torch, Triton and the
+    kernels once (about 3 CPU s on a 2.0 GHz Xeon core, often more than the builds). With
+    keep=True (the default) it is kept, about 300 MB, for later calls from this process
+    with the same environment (PYTEST_CURRENT_TEST aside), working folder and kernel
+    sources (kernels/*.py, by size and time), until it has been idle for IDLE_EXIT_S
+    seconds (QLAB_AOT_IDLE_S overrides) or this process ends; a kept process that has gone
+    meanwhile is replaced, once per share. keep=False ends them after this call, so that
+    RUSAGE_CHILDREN counts their CPU time."""
     for r in requests:
         _check_request(r)
     # identical requests are built once
@@ -98,18 +99,27 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
         return [built[k] for k in keys]
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     env.setdefault("CUDA_VISIBLE_DEVICES", "")  # the build needs no GPU
+    key, idle_exit = _server_key(env), _idle_exit()
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(requests)))
     shares = [list(range(i, len(requests), workers)) for i in range(workers)]
-    servers = [_Server.take(env) for _ in shares]
+    used: list[_Server] = []
 
-    def build(server: _Server, share: list[int]) -> list[dict]:
-        return server.build([_jsonable(requests[i]) for i in share], timeout)
+    def build(share: list[int]) -> list[dict]:
+        payload = [_jsonable(requests[i]) for i in share]
+        while True:
+            server = _Server.take(key) or _Server(env, key, idle_exit)
+            used.append(server)
+            try:
+                return server.build(payload, timeout)
+            except _NoReply as e:
+                if e.timed_out or not server.reused:
+                    raise  # a kept one may have just ended for idleness: then a fresh one
 
     try:
         with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own process
-            done = list(pool.map(build, servers, shares))
+            done = list(pool.map(build, shares))
     finally:
-        for server in servers:
+        for server in used:
             server.release(keep)
     results: list[dict | None] = [None] * len(requests)
     for share, built_share in zip(shares, done, strict=True):
@@ -120,86 +130,129 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     return results
 
 
-IDLE_EXIT_S = 120  # a kept build process exits after this long without a request (or
-# after QLAB_AOT_IDLE_S seconds, when that is set)
+IDLE_EXIT_S = 120.0  # a kept build process ends after this long without a request
+
+
+def _idle_exit() -> float:
+    value = os.environ.get("QLAB_AOT_IDLE_S", "")
+    seconds = float(value) if value else IDLE_EXIT_S
+    if not seconds > 0:
+        raise ValueError(f"QLAB_AOT_IDLE_S must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _server_key(env: dict[str, str]) -> tuple:
+    """What a kept build process must share with a call: the environment (but the variable
+    pytest changes around every test), the working folder, and the kernels' sources, so
+    that an edited kernel is never built by a process that imported the old one."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    sources = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            st = os.stat(os.path.join(folder, name))
+            sources.append((name, st.st_size, st.st_mtime_ns))
+    variables = tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
+    return variables, os.getcwd(), tuple(sources)
+
+
+class _NoReply(RuntimeError):
+    """The build process ended, or was ended at the timeout, before it replied."""
+
+    def __init__(self, message: str, timed_out: bool):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class _Server:
-    """One build process (`python -m qlab.kernels.aot`): a JSON line of requests in, a JSON
-    line of results (or of the build's traceback) out. Idle ones wait in _IDLE, by the
-    environment and working folder they were started with."""
+    """One build process (`python -m qlab.kernels.aot FD IDLE_S`): a JSON line of requests
+    on its stdin, a JSON line of results (or of the build's traceback) on its own pipe FD;
+    its stdout and stderr go to a file, so nothing it prints can pass for a reply. Idle
+    ones wait in _IDLE, by key; one is kept only after a complete exchange."""
 
     _IDLE: dict[tuple, list[_Server]] = {}
     _LOCK = threading.Lock()
 
-    def __init__(self, env: dict[str, str]):
-        self.key = (tuple(sorted(env.items())), os.getcwd())
-        self.err = tempfile.TemporaryFile()  # its stderr, for the message if it fails
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "qlab.kernels.aot"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.err, env=env, text=True,
-        )  # fmt: skip
-        self.idle_since = 0.0
-        self.idle_exit = float(env.get("QLAB_AOT_IDLE_S", IDLE_EXIT_S))
+    def __init__(self, env: dict[str, str], key: tuple, idle_exit: float):
+        self.key, self.reused, self.ok = key, False, False
+        self.err = tempfile.TemporaryFile()  # its stdout and stderr, for the error message
+        read, write = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "qlab.kernels.aot", str(write), repr(idle_exit)],
+                stdin=subprocess.PIPE, stdout=self.err, stderr=self.err, env=env,
+                pass_fds=(write,), text=True,
+            )  # fmt: skip
+        except BaseException:
+            os.close(read)
+            self.err.close()
+            raise
+        finally:
+            os.close(write)
+        self.replies = os.fdopen(read, "r")
 
     @classmethod
-    def take(cls, env: dict[str, str]) -> _Server:
-        key = (tuple(sorted(env.items())), os.getcwd())
-        stale = []
+    def take(cls, key: tuple) -> _Server | None:
+        """An idle process for `key`, if any; reaps every idle one that has ended."""
         with cls._LOCK:
-            idle = cls._IDLE.get(key, [])
-            while idle:
-                server = idle.pop()
-                # one that may be exiting for idleness is not used
-                fresh = time.monotonic() - server.idle_since < server.idle_exit / 2
-                if fresh and server.proc.poll() is None:
-                    break
-                stale.append(server)
-            else:
-                server = None
-        for old in stale:
-            old.close()
-        return server or cls(env)
+            ended = [s for idle in cls._IDLE.values() for s in idle if s.proc.poll() is not None]
+            for idle in cls._IDLE.values():
+                idle[:] = [s for s in idle if s not in ended]
+            server = cls._IDLE[key].pop() if cls._IDLE.get(key) else None
+        for s in ended:
+            s.close()
+        if server is not None:
+            server.reused = True
+        return server
 
     def build(self, requests: list[dict], timeout: float) -> list[dict]:
-        start = time.monotonic()
-        timer = threading.Timer(timeout, self.proc.kill)
+        self.ok = False
+        timed_out = threading.Event()
+
+        def stop() -> None:
+            timed_out.set()
+            self.proc.kill()
+
+        timer = threading.Timer(timeout, stop)
+        err_start = os.fstat(self.err.fileno()).st_size
         timer.start()
         try:
             self.proc.stdin.write(json.dumps(requests) + "\n")
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        except OSError:  # it died before reading the requests
+            line = self.replies.readline()
+        except OSError:  # it had ended before it read the requests
             line = ""
         finally:
             timer.cancel()
-        if not line.endswith("\n"):  # nothing, or cut off: the process died
+        if line.endswith("\n"):
+            reply = json.loads(line)  # nothing but _serve's json.dumps lines come this way
+            self.ok = True
+            if "error" in reply:
+                raise RuntimeError(f"ahead-of-time build failed:\n{reply['error'][-4000:]}")
+            return reply["results"]
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-            self.err.seek(0)
-            tail = self.err.read().decode(errors="replace")[-4000:]
-            self.close()
-            why = (f"timed out after {timeout:g} s" if time.monotonic() - start >= timeout
-                   else f"its build process ended (exit code {code})")  # fmt: skip
-            raise RuntimeError(f"ahead-of-time build failed: {why}\n{tail}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"ahead-of-time build failed:\n{reply['error'][-4000:]}")
-        return reply["results"]
+        self.err.seek(err_start)
+        tail = self.err.read().decode(errors="replace")[-4000:]
+        why = (f"timed out after {timeout:g} s" if timed_out.is_set()
+               else f"its build process ended (exit code {code})")  # fmt: skip
+        raise _NoReply(f"ahead-of-time build failed: {why}\n{tail}", timed_out.is_set())
 
     def release(self, keep: bool) -> None:
-        if not keep or self.proc.poll() is not None:
+        if keep and self.ok and self.proc.poll() is None:
+            with self._LOCK:
+                self._IDLE.setdefault(self.key, []).append(self)
+        else:
             self.close()
-            return
-        self.idle_since = time.monotonic()
-        with self._LOCK:
-            self._IDLE.setdefault(self.key, []).append(self)
 
     def close(self) -> None:
-        """End the process (it exits when its input closes) and wait for it."""
-        if self.proc.stdin and not self.proc.stdin.closed:
+        """End the process: it ends when its input closes (killed if it has not in 10 s,
+        e.g. when a fork of this process still holds the pipe)."""
+        for f in (self.proc.stdin, self.replies):
             try:
-                self.proc.stdin.close()
+                f.close()
             except OSError:
                 pass
         try:
@@ -207,7 +260,6 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.proc.stdout.close()
         self.err.close()
 
     @classmethod
@@ -509,16 +561,13 @@ def _main_loop_or_none(sass: str) -> dict | None:
         return None
 
 
-def _serve() -> None:
-    """The build process: for each line of requests on stdin, one line of results on the
-    real stdout; anything the build prints goes to stderr. Ends at the end of its input or
-    after IDLE_EXIT_S (or QLAB_AOT_IDLE_S) seconds without a request."""
+def _serve(fd: int, idle_exit: float) -> None:
+    """The build process: for each line of requests on stdin, one line of results on pipe
+    `fd`. Ends at the end of its input or after `idle_exit` seconds without a request."""
     import select
     import traceback
 
-    idle_exit = float(os.environ.get("QLAB_AOT_IDLE_S", IDLE_EXIT_S))
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # print() in a build must not break the protocol
+    replies = os.fdopen(fd, "w")
     while select.select([sys.stdin], [], [], idle_exit)[0]:
         line = sys.stdin.readline()
         if not line:
@@ -529,11 +578,12 @@ def _serve() -> None:
                                  for r in json.loads(line)]}  # fmt: skip
         except Exception:
             reply = {"error": traceback.format_exc()}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("run through qlab.kernels.compile_for (needs TRITON_INTERPRET=0)")
-    _serve()
+    _serve(int(sys.argv[1]), float(sys.argv[2]))
+    os._exit(0)  # nothing left to write: skip tearing down torch and Triton (seconds)

@@ -9,7 +9,11 @@ widths, the tensor-core instruction). All builds run in one module fixture (Trit
 compile_for cache them on disk, so a second run rebuilds nothing).
 """
 
+import os
 import re
+import shutil
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,30 +312,93 @@ def _idle_servers() -> list:
     return [s for idle in aot._Server._IDLE.values() for s in idle]
 
 
-def test_build_processes_are_kept_reused_and_ended(monkeypatch):
-    """compile_many keeps its build process for the next call with the same environment;
-    a build error leaves it usable; keep=False, a timeout or its idle time end it."""
+@pytest.fixture
+def counted_servers(monkeypatch):
+    """No kept build process before or after; yields the list of those started meanwhile."""
+    aot._Server.close_all()
+    started, init = [], aot._Server.__init__
+
+    def counting_init(self, *args):
+        init(self, *args)
+        started.append(self)
+
+    monkeypatch.setattr(aot._Server, "__init__", counting_init)
+    yield started
+    aot._Server.close_all()
+
+
+def test_build_processes_are_kept_reused_and_ended(counted_servers, monkeypatch, tmp_path):
+    """compile_many keeps its build process for the next call with the same key (a build
+    error and pytest's PYTEST_CURRENT_TEST do not matter); another environment gets
+    another; keep=False, a timeout or the idle time end one; what a process prints is not
+    taken for its reply; a kept process that has ended is replaced by a fresh one."""
+    started = counted_servers
     small = dict(kernel="dequant", M=1, N=256, K=256)
-    aot._Server.close_all()
-    compile_many = aot.compile_many
-    compile_many([small], workers=1)
-    (a,) = _idle_servers()
+    kernel = "_dequant_int4_kernel"
+
+    def build(request: dict, **kw) -> str:
+        return aot.compile_many([request], workers=1, **kw)[0]["kernel"]
+
+    assert build(small) == kernel
+    (a,) = started
+    assert build(small, timeout=3) == kernel
+    timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+    for t in timers:
+        t.join(1)  # the timers of builds that finished are cancelled: they end at once
+    assert not any(t.is_alive() for t in timers)
+    assert started == [a] and a.proc.poll() is None and _idle_servers() == [a]
     with pytest.raises(RuntimeError, match="(?s)build failed:\n.*unexpected keyword"):
-        compile_many([dict(small, config={"nonsense": 1})], workers=1)
-    assert compile_many([small], workers=1)[0]["kernel"] == "_dequant_int4_kernel"
-    assert _idle_servers() == [a] and a.proc.poll() is None
-    # another environment gets another process; this one ends itself after 1 idle second
-    monkeypatch.setenv("QLAB_AOT_IDLE_S", "1")
-    compile_many([small], workers=1)
-    (b,) = [s for s in _idle_servers() if s is not a]
-    assert b.proc.wait(timeout=60) == 0
-    monkeypatch.delenv("QLAB_AOT_IDLE_S")
-    compile_many([small], workers=1, keep=False)  # a's last build
-    assert a.proc.returncode == 0 and a not in _idle_servers()
-    with pytest.raises(RuntimeError, match="timed out after 0.01 s"):
-        compile_many([dict(kernel="w4a16", M=1, N=8192, K=28672)], timeout=0.01, workers=1)
-    assert not [s for s in _idle_servers() if s is not b]
-    aot._Server.close_all()
+        build(dict(small, config={"nonsense": 1}))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")
+    assert build(small) == kernel
+    assert started == [a] and _idle_servers() == [a]
+    take = aot._Server.take
+    handed = []
+
+    def take_ended_once(key):  # hands out b, ended but still in the pool, as if alive
+        if handed:
+            return take(key)
+        aot._Server._IDLE[key].remove(b)
+        handed.append(b)
+        b.reused = True
+        return b
+
+    with monkeypatch.context() as m:  # a process that prints as it starts, idle after 1 s
+        (tmp_path / "sitecustomize.py").write_text('print("hello from sitecustomize")\n')
+        m.setenv("PYTHONPATH", str(tmp_path))
+        m.setenv("QLAB_AOT_IDLE_S", "1")
+        assert build(small) == kernel
+        b = started[-1]
+        assert started == [a, b] and b.proc.wait(timeout=60) == 0 and b in _idle_servers()
+        m.setattr(aot._Server, "take", staticmethod(take_ended_once))
+        assert build(small) == kernel  # b gives no reply: once more, on a fresh process
+        c = started[-1]
+        assert handed == [b] and started == [a, b, c] and set(_idle_servers()) == {a, c}
+        with pytest.raises(RuntimeError, match="timed out after 0.001 s"):
+            build(small, timeout=0.001)  # c is reused and killed mid-build: no retry
+        assert started == [a, b, c] and c.proc.returncode == -9 and _idle_servers() == [a]
+    assert build(small, keep=False) == kernel  # a's last build
+    assert started == [a, b, c] and a.proc.returncode == 0 and _idle_servers() == []
+
+
+def test_a_build_process_is_kept_for_one_environment_folder_and_kernel_sources(
+    monkeypatch, tmp_path
+):
+    for name in ("aot.py", "w4a16.py"):
+        shutil.copy(Path(aot.__file__).with_name(name), tmp_path / name)
+    monkeypatch.setattr(aot, "__file__", str(tmp_path / "aot.py"))
+    env = {"TRITON_INTERPRET": "0"}
+    key = aot._server_key(env)
+    assert aot._server_key(dict(env, PYTEST_CURRENT_TEST="x")) == key
+    assert aot._server_key(dict(env, TRITON_INTERPRET="1")) != key
+    os.utime(tmp_path / "w4a16.py", ns=(10**9, 10**9))  # an edited kernel
+    assert aot._server_key(env) != key
+    key = aot._server_key(env)
+    monkeypatch.chdir(tmp_path)
+    assert aot._server_key(env) != key
+    monkeypatch.setenv("QLAB_AOT_IDLE_S", "0")
+    with pytest.raises(ValueError, match="QLAB_AOT_IDLE_S must be a positive"):
+        aot.compile_many([dict(kernel="dequant", M=1, N=256, K=256)])
 
 
 def test_compile_for_rejects_unknown_kernels_and_options():
