@@ -12,7 +12,7 @@ then Triton's GPU pipeline TTIR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for `ar
 No driver is needed. The kernels on a machine without a GPU are interpreter functions, so
 the build runs in another Python with TRITON_INTERPRET=0 (up to tens of seconds per
 build, depending on the machine; Triton caches), kept for later builds until it has been
-idle for two minutes (compile_many says when one is reused).
+idle for two minutes (compile_many's docstring says when one is reused).
 
 What the GPU runs is the cubin's SASS, not the PTX: ptxas may serialise what the PTX
 pipelined. So each launch also carries, from the tools that ship inside the triton wheel:
@@ -47,6 +47,7 @@ __all__ = [
     "KERNELS",
     "compile_for",
     "compile_many",
+    "close_build_processes",
     "mma_instructions",
     "k_loop",
     "global_load_widths",
@@ -85,9 +86,11 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     keep=True (the default) it is kept, about 300 MB, for later calls from this process
     with the same environment (PYTEST_CURRENT_TEST aside), working folder and kernel
     sources (kernels/*.py, by size and time), until it has been idle for IDLE_EXIT_S
-    seconds (QLAB_AOT_IDLE_S overrides) or this process ends; a kept process that has gone
-    meanwhile is replaced, once per share. keep=False ends them after this call, so that
-    RUSAGE_CHILDREN counts their CPU time."""
+    seconds (QLAB_AOT_IDLE_S overrides), this process ends, or a build in it fails other
+    than by an error the build raised. A kept process that ended cleanly before replying
+    (its idle time ran out as the call came) is passed over for the next kept one or a
+    fresh one. keep=False ends the processes this call used (kept ones included) after it.
+    `timeout` (seconds) holds for each process's share of the requests."""
     for r in requests:
         _check_request(r)
     # identical requests are built once
@@ -112,12 +115,18 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
             try:
                 return server.build(payload, timeout)
             except _NoReply as e:
-                if e.timed_out or not server.reused:
-                    raise  # a kept one may have just ended for idleness: then a fresh one
+                if not (server.reused and e.exit_code == 0):
+                    raise  # a crash, a kill, Ctrl-C or the timeout: no second try
 
     try:
         with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own process
-            done = list(pool.map(build, shares))
+            futures = [pool.submit(build, share) for share in shares]
+            try:
+                done = [f.result() for f in futures]
+            except KeyboardInterrupt:  # stop the builds, so that the pool need not wait
+                for server in list(used):
+                    server.proc.kill()
+                raise
     finally:
         for server in used:
             server.release(keep)
@@ -136,8 +145,8 @@ IDLE_EXIT_S = 120.0  # a kept build process ends after this long without a reque
 def _idle_exit() -> float:
     value = os.environ.get("QLAB_AOT_IDLE_S", "")
     seconds = float(value) if value else IDLE_EXIT_S
-    if not seconds > 0:
-        raise ValueError(f"QLAB_AOT_IDLE_S must be a positive number of seconds, got {value!r}")
+    if not 0 < seconds <= 86400:
+        raise ValueError(f"QLAB_AOT_IDLE_S must be seconds in (0, 86400], got {value!r}")
     return seconds
 
 
@@ -158,9 +167,9 @@ def _server_key(env: dict[str, str]) -> tuple:
 class _NoReply(RuntimeError):
     """The build process ended, or was ended at the timeout, before it replied."""
 
-    def __init__(self, message: str, timed_out: bool):
+    def __init__(self, message: str, exit_code: int):
         super().__init__(message)
-        self.timed_out = timed_out
+        self.exit_code = exit_code
 
 
 class _Server:
@@ -223,9 +232,10 @@ class _Server:
             line = ""
         finally:
             timer.cancel()
+            timer.join()  # a kill that had begun as the reply came has finished
         if line.endswith("\n"):
             reply = json.loads(line)  # nothing but _serve's json.dumps lines come this way
-            self.ok = True
+            self.ok = not timed_out.is_set()
             if "error" in reply:
                 raise RuntimeError(f"ahead-of-time build failed:\n{reply['error'][-4000:]}")
             return reply["results"]
@@ -238,7 +248,7 @@ class _Server:
         tail = self.err.read().decode(errors="replace")[-4000:]
         why = (f"timed out after {timeout:g} s" if timed_out.is_set()
                else f"its build process ended (exit code {code})")  # fmt: skip
-        raise _NoReply(f"ahead-of-time build failed: {why}\n{tail}", timed_out.is_set())
+        raise _NoReply(f"ahead-of-time build failed: {why}\n{tail}", code)
 
     def release(self, keep: bool) -> None:
         if keep and self.ok and self.proc.poll() is None:
@@ -248,13 +258,8 @@ class _Server:
             self.close()
 
     def close(self) -> None:
-        """End the process: it ends when its input closes (killed if it has not in 10 s,
-        e.g. when a fork of this process still holds the pipe)."""
-        for f in (self.proc.stdin, self.replies):
-            try:
-                f.close()
-            except OSError:
-                pass
+        """End the process: it ends when its input closes (killed if it has not in 10 s)."""
+        self.close_input()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -262,16 +267,40 @@ class _Server:
             self.proc.wait()
         self.err.close()
 
+    def close_input(self) -> None:
+        for f in (self.proc.stdin, self.replies):
+            try:
+                f.close()
+            except OSError:
+                pass
+
     @classmethod
     def close_all(cls) -> None:
         with cls._LOCK:
             servers = [s for idle in cls._IDLE.values() for s in idle]
             cls._IDLE.clear()
         for server in servers:
+            server.close_input()  # all of them start ending at once
+        for server in servers:
             server.close()
 
+    @classmethod
+    def forget_in_child(cls) -> None:
+        """In a fork of this process: drop the kept processes and this fork's copies of
+        their pipes, which would keep them from seeing their input close."""
+        for server in [s for idle in cls._IDLE.values() for s in idle]:
+            server.close_input()
+        cls._IDLE = {}
+        cls._LOCK = threading.Lock()
 
-atexit.register(_Server.close_all)
+
+def close_build_processes() -> None:
+    """End every kept build process now (they end by themselves when idle or at exit)."""
+    _Server.close_all()
+
+
+atexit.register(close_build_processes)
+os.register_at_fork(after_in_child=_Server.forget_in_child)
 
 
 def _check_request(r: dict) -> None:
@@ -568,17 +597,19 @@ def _serve(fd: int, idle_exit: float) -> None:
     import traceback
 
     replies = os.fdopen(fd, "w")
+    # select, then a buffered readline: right because the parent sends one line and waits
+    # for its reply, so no second line can sit in sys.stdin's buffer unseen by select
     while select.select([sys.stdin], [], [], idle_exit)[0]:
         line = sys.stdin.readline()
         if not line:
             return
         try:
-            reply = {"results": [{"launches": [_build(launch, r.get("arch", 90))
-                                               for launch in _plans(r)]}
-                                 for r in json.loads(line)]}  # fmt: skip
+            text = json.dumps({"results": [{"launches": [_build(launch, r.get("arch", 90))
+                                                         for launch in _plans(r)]}
+                                           for r in json.loads(line)]})  # fmt: skip
         except Exception:
-            reply = {"error": traceback.format_exc()}
-        replies.write(json.dumps(reply) + "\n")
+            text = json.dumps({"error": traceback.format_exc()})
+        replies.write(text + "\n")
         replies.flush()
 
 
@@ -586,4 +617,6 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("run through qlab.kernels.compile_for (needs TRITON_INTERPRET=0)")
     _serve(int(sys.argv[1]), float(sys.argv[2]))
-    os._exit(0)  # nothing left to write: skip tearing down torch and Triton (seconds)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip tearing down torch and Triton (seconds)

@@ -61,6 +61,7 @@ def work(shapes, ms) -> dict:
 def compile_all(requests: list[dict]) -> dict:
     """Build every request for sm_90 in a fresh Triton cache (one worker process); the CPU
     seconds of the build processes and the number of distinct binaries (by PTX)."""
+    aot.close_build_processes()  # kept ones would add their CPU time to RUSAGE_CHILDREN
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qlab_triton_cache_") as cache:

@@ -315,7 +315,7 @@ def _idle_servers() -> list:
 @pytest.fixture
 def counted_servers(monkeypatch):
     """No kept build process before or after; yields the list of those started meanwhile."""
-    aot._Server.close_all()
+    aot.close_build_processes()
     started, init = [], aot._Server.__init__
 
     def counting_init(self, *args):
@@ -323,15 +323,17 @@ def counted_servers(monkeypatch):
         started.append(self)
 
     monkeypatch.setattr(aot._Server, "__init__", counting_init)
+    monkeypatch.setenv("QLAB_AOT_IDLE_S", "600")  # no idle exit on a slow machine
     yield started
-    aot._Server.close_all()
+    aot.close_build_processes()
 
 
 def test_build_processes_are_kept_reused_and_ended(counted_servers, monkeypatch, tmp_path):
     """compile_many keeps its build process for the next call with the same key (a build
     error and pytest's PYTEST_CURRENT_TEST do not matter); another environment gets
-    another; keep=False, a timeout or the idle time end one; what a process prints is not
-    taken for its reply; a kept process that has ended is replaced by a fresh one."""
+    another; what a process prints is not taken for its reply; the idle time, a timeout
+    and keep=False end one; a kept process that ended cleanly without replying is passed
+    over, one that crashed is not retried."""
     started = counted_servers
     small = dict(kernel="dequant", M=1, N=256, K=256)
     kernel = "_dequant_int4_kernel"
@@ -341,7 +343,7 @@ def test_build_processes_are_kept_reused_and_ended(counted_servers, monkeypatch,
 
     assert build(small) == kernel
     (a,) = started
-    assert build(small, timeout=3) == kernel
+    assert build(small, timeout=30) == kernel
     timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
     for t in timers:
         t.join(1)  # the timers of builds that finished are cancelled: they end at once
@@ -352,38 +354,51 @@ def test_build_processes_are_kept_reused_and_ended(counted_servers, monkeypatch,
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")
     assert build(small) == kernel
     assert started == [a] and _idle_servers() == [a]
-    take = aot._Server.take
-    handed = []
-
-    def take_ended_once(key):  # hands out b, ended but still in the pool, as if alive
-        if handed:
-            return take(key)
-        aot._Server._IDLE[key].remove(b)
-        handed.append(b)
-        b.reused = True
-        return b
-
     with monkeypatch.context() as m:  # a process that prints as it starts, idle after 1 s
         (tmp_path / "sitecustomize.py").write_text('print("hello from sitecustomize")\n')
-        m.setenv("PYTHONPATH", str(tmp_path))
+        m.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path),
+                                                             os.environ.get("PYTHONPATH")])))
         m.setenv("QLAB_AOT_IDLE_S", "1")
         assert build(small) == kernel
-        b = started[-1]
-        assert started == [a, b] and b.proc.wait(timeout=60) == 0 and b in _idle_servers()
-        m.setattr(aot._Server, "take", staticmethod(take_ended_once))
-        assert build(small) == kernel  # b gives no reply: once more, on a fresh process
-        c = started[-1]
-        assert handed == [b] and started == [a, b, c] and set(_idle_servers()) == {a, c}
-        with pytest.raises(RuntimeError, match="timed out after 0.001 s"):
-            build(small, timeout=0.001)  # c is reused and killed mid-build: no retry
-        assert started == [a, b, c] and c.proc.returncode == -9 and _idle_servers() == [a]
-    assert build(small, keep=False) == kernel  # a's last build
-    assert started == [a, b, c] and a.proc.returncode == 0 and _idle_servers() == []
+    b = started[-1]
+    assert started == [a, b] and b.proc.wait(timeout=60) == 0 and b in _idle_servers()
+    b.err.seek(0)
+    assert b"hello from sitecustomize" in b.err.read()
+    handed, real_take = [], aot._Server.take
+
+    def take_first(server):  # takes `server` from the pool as if it were alive, once
+        def take(key):
+            if handed:
+                return real_take(key)
+            aot._Server._IDLE[server.key].remove(server)
+            handed.append(server)
+            server.reused = True
+            return server
+
+        return take
+
+    with monkeypatch.context() as m:
+        m.setattr(aot._Server, "take", staticmethod(take_first(b)))
+        assert build(small) == kernel  # b ended cleanly, no reply: the next kept one, a
+    assert handed == [b] and started == [a, b] and _idle_servers() == [a]
+    with pytest.raises(RuntimeError, match="timed out after 0.001 s"):
+        build(small, timeout=0.001)  # a is reused and killed mid-build: not retried
+    assert started == [a, b] and a.proc.returncode == -9 and _idle_servers() == []
+    assert build(small) == kernel
+    c = started[-1]
+    c.proc.kill()  # c crashes while kept
+    c.proc.wait()
+    handed.clear()
+    with monkeypatch.context() as m, pytest.raises(RuntimeError, match="exit code -9"):
+        m.setattr(aot._Server, "take", staticmethod(take_first(c)))
+        build(small)  # not retried
+    assert handed == [c] and started == [a, b, c]
+    assert build(small, keep=False) == kernel
+    d = started[-1]
+    assert started == [a, b, c, d] and d.proc.returncode == 0 and _idle_servers() == []
 
 
-def test_a_build_process_is_kept_for_one_environment_folder_and_kernel_sources(
-    monkeypatch, tmp_path
-):
+def test_the_build_process_key_is_environment_folder_and_kernel_sources(monkeypatch, tmp_path):
     for name in ("aot.py", "w4a16.py"):
         shutil.copy(Path(aot.__file__).with_name(name), tmp_path / name)
     monkeypatch.setattr(aot, "__file__", str(tmp_path / "aot.py"))
@@ -396,9 +411,10 @@ def test_a_build_process_is_kept_for_one_environment_folder_and_kernel_sources(
     key = aot._server_key(env)
     monkeypatch.chdir(tmp_path)
     assert aot._server_key(env) != key
-    monkeypatch.setenv("QLAB_AOT_IDLE_S", "0")
-    with pytest.raises(ValueError, match="QLAB_AOT_IDLE_S must be a positive"):
-        aot.compile_many([dict(kernel="dequant", M=1, N=256, K=256)])
+    for bad in ("0", "inf", "nan"):
+        monkeypatch.setenv("QLAB_AOT_IDLE_S", bad)
+        with pytest.raises(ValueError, match="QLAB_AOT_IDLE_S must be seconds"):
+            aot.compile_many([dict(kernel="dequant", M=1, N=256, K=256)])
 
 
 def test_compile_for_rejects_unknown_kernels_and_options():
