@@ -10,9 +10,9 @@ M bucket (or `config=`), the split-K the wrapper would pick on an H100 (132 SMs,
 `sms=`), and Triton's own argument specialization (16-byte alignment, divisibility by 16),
 then Triton's GPU pipeline TTIR -> TTGIR -> LLVM -> PTX -> cubin (ptxas) for `arch`.
 No driver is needed. The kernels on a machine without a GPU are interpreter functions, so
-the build runs in another Python with TRITON_INTERPRET=0 (up to tens of seconds per
-build, depending on the machine; Triton caches), kept for later builds until it has been
-idle for two minutes (compile_many's docstring says when one is reused).
+the build runs in other Pythons with TRITON_INTERPRET=0 (up to tens of seconds per
+build, depending on the machine; Triton caches), kept for later builds until they have
+been idle for two minutes by default (compile_many's docstring says when one is reused).
 
 What the GPU runs is the cubin's SASS, not the PTX: ptxas may serialise what the PTX
 pipelined. So each launch also carries, from the tools that ship inside the triton wheel:
@@ -35,12 +35,14 @@ from __future__ import annotations
 import atexit
 import base64
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
@@ -86,11 +88,12 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     keep=True (the default) it is kept, about 300 MB, for later calls from this process
     with the same environment (PYTEST_CURRENT_TEST aside), working folder and kernel
     sources (kernels/*.py, by size and time), until it has been idle for IDLE_EXIT_S
-    seconds (QLAB_AOT_IDLE_S overrides), this process ends, or a build in it fails other
-    than by an error the build raised. A kept process that ended cleanly before replying
-    (its idle time ran out as the call came) is passed over for the next kept one or a
-    fresh one. keep=False ends the processes this call used (kept ones included) after it.
-    `timeout` (seconds) holds for each process's share of the requests."""
+    seconds (QLAB_AOT_IDLE_S overrides), this process ends, close_build_processes() is
+    called, or a call that uses it fails other than by an error the build raised (a crash,
+    the timeout, Ctrl-C). A kept process that ended cleanly before replying (its idle time
+    ran out as the call came) is passed over for the next kept one or a fresh one.
+    keep=False ends the processes this call used (kept ones included) after it. `timeout`
+    (seconds) holds for each attempt at a process's share of the requests."""
     for r in requests:
         _check_request(r)
     # identical requests are built once
@@ -106,28 +109,36 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(requests)))
     shares = [list(range(i, len(requests), workers)) for i in range(workers)]
     used: list[_Server] = []
+    lock, stopping = threading.Lock(), threading.Event()
 
     def build(share: list[int]) -> list[dict]:
         payload = [_jsonable(requests[i]) for i in share]
         while True:
             server = _Server.take(key) or _Server(env, key, idle_exit)
-            used.append(server)
+            with lock:
+                used.append(server)
+                if stopping.is_set():
+                    raise RuntimeError("stopped: another share failed or was interrupted")
             try:
                 return server.build(payload, timeout)
             except _NoReply as e:
                 if not (server.reused and e.exit_code == 0):
                     raise  # a crash, a kill, Ctrl-C or the timeout: no second try
 
+    pool = ThreadPoolExecutor(workers)  # each thread waits on its own process
     try:
-        with ThreadPoolExecutor(workers) as pool:  # each thread waits on its own process
-            futures = [pool.submit(build, share) for share in shares]
-            try:
-                done = [f.result() for f in futures]
-            except KeyboardInterrupt:  # stop the builds, so that the pool need not wait
-                for server in list(used):
+        futures = [pool.submit(build, share) for share in shares]
+        done = [f.result() for f in futures]
+    except BaseException:  # an error or Ctrl-C: end the builds in flight, not wait for them
+        with lock:
+            stopping.set()
+            for server in used:
+                if server.busy:
+                    server.ok = False
                     server.proc.kill()
-                raise
+        raise
     finally:
+        pool.shutdown(wait=True)
         for server in used:
             server.release(keep)
     results: list[dict | None] = [None] * len(requests)
@@ -144,7 +155,10 @@ IDLE_EXIT_S = 120.0  # a kept build process ends after this long without a reque
 
 def _idle_exit() -> float:
     value = os.environ.get("QLAB_AOT_IDLE_S", "")
-    seconds = float(value) if value else IDLE_EXIT_S
+    try:
+        seconds = float(value) if value else IDLE_EXIT_S
+    except ValueError:
+        seconds = math.nan
     if not 0 < seconds <= 86400:
         raise ValueError(f"QLAB_AOT_IDLE_S must be seconds in (0, 86400], got {value!r}")
     return seconds
@@ -152,8 +166,10 @@ def _idle_exit() -> float:
 
 def _server_key(env: dict[str, str]) -> tuple:
     """What a kept build process must share with a call: the environment (but the variable
-    pytest changes around every test), the working folder, and the kernels' sources, so
-    that an edited kernel is never built by a process that imported the old one."""
+    pytest changes around every test), the working folder, and the size and modification
+    time of each kernels/*.py, so that a process that imported a kernel before it was
+    edited is not used for it (an edit that keeps the size within the file system's
+    time resolution goes unseen)."""
     folder = os.path.dirname(os.path.abspath(__file__))
     sources = []
     for name in sorted(os.listdir(folder)):
@@ -180,9 +196,10 @@ class _Server:
 
     _IDLE: dict[tuple, list[_Server]] = {}
     _LOCK = threading.Lock()
+    _LIVE: weakref.WeakSet[_Server] = weakref.WeakSet()  # every one not closed yet
 
     def __init__(self, env: dict[str, str], key: tuple, idle_exit: float):
-        self.key, self.reused, self.ok = key, False, False
+        self.key, self.reused, self.ok, self.busy = key, False, False, False
         self.err = tempfile.TemporaryFile()  # its stdout and stderr, for the error message
         read, write = os.pipe()
         try:
@@ -198,6 +215,7 @@ class _Server:
         finally:
             os.close(write)
         self.replies = os.fdopen(read, "r")
+        self._LIVE.add(self)
 
     @classmethod
     def take(cls, key: tuple) -> _Server | None:
@@ -214,7 +232,7 @@ class _Server:
         return server
 
     def build(self, requests: list[dict], timeout: float) -> list[dict]:
-        self.ok = False
+        self.ok, self.busy = False, True
         timed_out = threading.Event()
 
         def stop() -> None:
@@ -233,6 +251,7 @@ class _Server:
         finally:
             timer.cancel()
             timer.join()  # a kill that had begun as the reply came has finished
+            self.busy = False
         if line.endswith("\n"):
             reply = json.loads(line)  # nothing but _serve's json.dumps lines come this way
             self.ok = not timed_out.is_set()
@@ -259,6 +278,7 @@ class _Server:
 
     def close(self) -> None:
         """End the process: it ends when its input closes (killed if it has not in 10 s)."""
+        self._LIVE.discard(self)
         self.close_input()
         try:
             self.proc.wait(timeout=10)
@@ -286,11 +306,11 @@ class _Server:
 
     @classmethod
     def forget_in_child(cls) -> None:
-        """In a fork of this process: drop the kept processes and this fork's copies of
-        their pipes, which would keep them from seeing their input close."""
-        for server in [s for idle in cls._IDLE.values() for s in idle]:
+        """In a fork of this process: drop the kept processes, and close this fork's copies
+        of every build process's pipes, which would keep it from seeing its input close."""
+        for server in list(cls._LIVE):
             server.close_input()
-        cls._IDLE = {}
+        cls._IDLE, cls._LIVE = {}, weakref.WeakSet()
         cls._LOCK = threading.Lock()
 
 
@@ -594,8 +614,13 @@ def _serve(fd: int, idle_exit: float) -> None:
     """The build process: for each line of requests on stdin, one line of results on pipe
     `fd`. Ends at the end of its input or after `idle_exit` seconds without a request."""
     import select
+    import signal
     import traceback
 
+    # Ctrl-C in a terminal or a notebook signals the whole process group: the parent
+    # decides what ends (compile_many kills the builds it is waiting for)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.set_inheritable(fd, False)  # a tool this build starts must not hold the reply pipe
     replies = os.fdopen(fd, "w")
     # select, then a buffered readline: right because the parent sends one line and waits
     # for its reply, so no second line can sit in sys.stdin's buffer unseen by select

@@ -12,7 +12,6 @@ compile_for cache them on disk, so a second run rebuilds nothing).
 import os
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -330,10 +329,10 @@ def counted_servers(monkeypatch):
 
 def test_build_processes_are_kept_reused_and_ended(counted_servers, monkeypatch, tmp_path):
     """compile_many keeps its build process for the next call with the same key (a build
-    error and pytest's PYTEST_CURRENT_TEST do not matter); another environment gets
-    another; what a process prints is not taken for its reply; the idle time, a timeout
-    and keep=False end one; a kept process that ended cleanly without replying is passed
-    over, one that crashed is not retried."""
+    error and pytest's PYTEST_CURRENT_TEST do not matter; a fork of this process takes
+    none); another environment gets another; what a process prints is not taken for its
+    reply; the idle time, a timeout, Ctrl-C and keep=False end one; a kept process that
+    ended cleanly without replying is passed over, a killed one is not retried."""
     started = counted_servers
     small = dict(kernel="dequant", M=1, N=256, K=256)
     kernel = "_dequant_int4_kernel"
@@ -343,22 +342,23 @@ def test_build_processes_are_kept_reused_and_ended(counted_servers, monkeypatch,
 
     assert build(small) == kernel
     (a,) = started
-    assert build(small, timeout=30) == kernel
-    timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
-    for t in timers:
-        t.join(1)  # the timers of builds that finished are cancelled: they end at once
-    assert not any(t.is_alive() for t in timers)
+    assert build(small, timeout=30) == kernel  # its timer must not fire later
     assert started == [a] and a.proc.poll() is None and _idle_servers() == [a]
     with pytest.raises(RuntimeError, match="(?s)build failed:\n.*unexpected keyword"):
         build(dict(small, config={"nonsense": 1}))
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")
     assert build(small) == kernel
-    assert started == [a] and _idle_servers() == [a]
-    with monkeypatch.context() as m:  # a process that prints as it starts, idle after 1 s
+    pid = os.fork()
+    if pid == 0:  # the child: nothing kept, its copy of a's input closed
+        os._exit(0 if aot._Server._IDLE == {} and a.proc.stdin.closed else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert build(small) == kernel
+    assert started == [a] and _idle_servers() == [a] and not a.proc.stdin.closed
+    with monkeypatch.context() as m:  # a process that prints as it starts, idle after 5 s
         (tmp_path / "sitecustomize.py").write_text('print("hello from sitecustomize")\n')
         m.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path),
                                                              os.environ.get("PYTHONPATH")])))
-        m.setenv("QLAB_AOT_IDLE_S", "1")
+        m.setenv("QLAB_AOT_IDLE_S", "5")
         assert build(small) == kernel
     b = started[-1]
     assert started == [a, b] and b.proc.wait(timeout=60) == 0 and b in _idle_servers()
@@ -366,35 +366,38 @@ def test_build_processes_are_kept_reused_and_ended(counted_servers, monkeypatch,
     assert b"hello from sitecustomize" in b.err.read()
     handed, real_take = [], aot._Server.take
 
-    def take_first(server):  # takes `server` from the pool as if it were alive, once
-        def take(key):
-            if handed:
-                return real_take(key)
-            aot._Server._IDLE[server.key].remove(server)
-            handed.append(server)
-            server.reused = True
-            return server
-
-        return take
+    def take_b_once(key):  # takes b from the pool as if it were alive, once
+        if handed:
+            return real_take(key)
+        aot._Server._IDLE[b.key].remove(b)
+        handed.append(b)
+        b.reused = True
+        return b
 
     with monkeypatch.context() as m:
-        m.setattr(aot._Server, "take", staticmethod(take_first(b)))
+        m.setattr(aot._Server, "take", staticmethod(take_b_once))
         assert build(small) == kernel  # b ended cleanly, no reply: the next kept one, a
     assert handed == [b] and started == [a, b] and _idle_servers() == [a]
-    with pytest.raises(RuntimeError, match="timed out after 0.001 s"):
-        build(small, timeout=0.001)  # a is reused and killed mid-build: not retried
+    with pytest.raises(RuntimeError, match="timed out after 0.001 s"):  # a's reply takes
+        aot.compile_many([dict(small, N=256 * i) for i in range(1, 9)], timeout=0.001,
+                         workers=1)  # fmt: skip
     assert started == [a, b] and a.proc.returncode == -9 and _idle_servers() == []
     assert build(small) == kernel
     c = started[-1]
-    c.proc.kill()  # c crashes while kept
-    c.proc.wait()
-    handed.clear()
-    with monkeypatch.context() as m, pytest.raises(RuntimeError, match="exit code -9"):
-        m.setattr(aot._Server, "take", staticmethod(take_first(c)))
-        build(small)  # not retried
-    assert handed == [c] and started == [a, b, c]
-    assert build(small, keep=False) == kernel
+    real_build = aot._Server.build
+
+    def interrupted(self, *args):  # Ctrl-C while c builds (as build() starts: busy)
+        self.ok, self.busy = False, True
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(aot._Server, "build", interrupted)
+        build(small)
+    assert aot._Server.build is real_build
+    assert started == [a, b, c] and c.proc.returncode == -9 and _idle_servers() == []
+    assert build(small) == kernel
     d = started[-1]
+    assert build(small, keep=False) == kernel  # d, reused and ended
     assert started == [a, b, c, d] and d.proc.returncode == 0 and _idle_servers() == []
 
 
@@ -411,7 +414,7 @@ def test_the_build_process_key_is_environment_folder_and_kernel_sources(monkeypa
     key = aot._server_key(env)
     monkeypatch.chdir(tmp_path)
     assert aot._server_key(env) != key
-    for bad in ("0", "inf", "nan"):
+    for bad in ("0", "inf", "nan", "two minutes"):
         monkeypatch.setenv("QLAB_AOT_IDLE_S", bad)
         with pytest.raises(ValueError, match="QLAB_AOT_IDLE_S must be seconds"):
             aot.compile_many([dict(kernel="dequant", M=1, N=256, K=256)])
