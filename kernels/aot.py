@@ -38,12 +38,14 @@ import json
 import math
 import os
 import re
+import select
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 __all__ = [
     "KERNELS",
@@ -81,19 +83,22 @@ def compile_for(kernel: str, M: int, N: int, K: int, arch: int = 90, **opts) -> 
 def compile_many(requests: list[dict], timeout: float = 600, workers: int | None = None,
                  keep: bool = True) -> list[dict]:  # fmt: skip
     """compile_for for several requests, on `workers` build processes at once (default: one
-    per CPU core, at most 4), each building its share in order.
+    per usable CPU, at most 4), each building its share in order.
 
     A build process is a Python with TRITON_INTERPRET=0 that imports torch, Triton and the
     kernels once (about 3 CPU s on a 2.0 GHz Xeon core, often more than the builds). With
     keep=True (the default) it is kept, about 300 MB, for later calls from this process
     with the same environment (PYTEST_CURRENT_TEST aside), working folder and kernel
-    sources (kernels/*.py, by size and time), until it has been idle for IDLE_EXIT_S
-    seconds (QLAB_AOT_IDLE_S overrides), this process ends, close_build_processes() is
-    called, or a call that uses it fails other than by an error the build raised (a crash,
-    the timeout, Ctrl-C). A kept process that ended cleanly before replying (its idle time
-    ran out as the call came) is passed over for the next kept one or a fresh one.
-    keep=False ends the processes this call used (kept ones included) after it. `timeout`
-    (seconds) holds for each attempt at a process's share of the requests."""
+    sources (kernels/*.py, by size and modification time), until it has been idle for
+    IDLE_EXIT_S seconds (QLAB_AOT_IDLE_S overrides), this process ends,
+    close_build_processes() is called, or it is still building when the call fails (its
+    timeout, a crash, Ctrl-C, or an error in another share): then it is killed. A kept
+    process that ended cleanly before replying (its idle time ran out as the call came) is
+    passed over for the next kept one or a fresh one. keep=False ends the processes this
+    call used (kept ones included) after it. `timeout` (seconds) holds for each attempt
+    at a process's share of the requests."""
+    from qlab._tensor import usable_cpus
+
     for r in requests:
         _check_request(r)
     # identical requests are built once
@@ -106,7 +111,7 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     env.setdefault("CUDA_VISIBLE_DEVICES", "")  # the build needs no GPU
     key, idle_exit = _server_key(env), _idle_exit()
-    workers = max(1, min(workers or min(os.cpu_count() or 1, 4), len(requests)))
+    workers = max(1, min(workers or min(usable_cpus(), 4), len(requests)))
     shares = [list(range(i, len(requests), workers)) for i in range(workers)]
     used: list[_Server] = []
     lock, stopping = threading.Lock(), threading.Event()
@@ -114,11 +119,15 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     def build(share: list[int]) -> list[dict]:
         payload = [_jsonable(requests[i]) for i in share]
         while True:
+            if stopping.is_set():
+                raise RuntimeError("stopped: another share failed or the call was interrupted")
             server = _Server.take(key) or _Server(env, key, idle_exit)
-            with lock:
+            with lock:  # busy, or stopped: never neither (see below)
                 used.append(server)
                 if stopping.is_set():
-                    raise RuntimeError("stopped: another share failed or was interrupted")
+                    server.killed = True
+                    raise RuntimeError("stopped: another share failed or the call was interrupted")
+                server.busy = True
             try:
                 return server.build(payload, timeout)
             except _NoReply as e:
@@ -128,13 +137,14 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     pool = ThreadPoolExecutor(workers)  # each thread waits on its own process
     try:
         futures = [pool.submit(build, share) for share in shares]
+        wait(futures, return_when=FIRST_EXCEPTION)
         done = [f.result() for f in futures]
-    except BaseException:  # an error or Ctrl-C: end the builds in flight, not wait for them
+    except BaseException:  # an error or Ctrl-C: kill the builds in flight, do not wait
         with lock:
             stopping.set()
             for server in used:
                 if server.busy:
-                    server.ok = False
+                    server.killed = True
                     server.proc.kill()
         raise
     finally:
@@ -168,8 +178,8 @@ def _server_key(env: dict[str, str]) -> tuple:
     """What a kept build process must share with a call: the environment (but the variable
     pytest changes around every test), the working folder, and the size and modification
     time of each kernels/*.py, so that a process that imported a kernel before it was
-    edited is not used for it (an edit that keeps the size within the file system's
-    time resolution goes unseen)."""
+    edited is not used for it (an edit that keeps the size and falls in the same mtime
+    tick as the one before goes unseen)."""
     folder = os.path.dirname(os.path.abspath(__file__))
     sources = []
     for name in sorted(os.listdir(folder)):
@@ -199,22 +209,21 @@ class _Server:
     _LIVE: weakref.WeakSet[_Server] = weakref.WeakSet()  # every one not closed yet
 
     def __init__(self, env: dict[str, str], key: tuple, idle_exit: float):
-        self.key, self.reused, self.ok, self.busy = key, False, False, False
+        self.key, self.reused, self.ok, self.busy, self.killed = key, False, False, False, False
         self.err = tempfile.TemporaryFile()  # its stdout and stderr, for the error message
-        read, write = os.pipe()
+        self.replies, write = os.pipe()  # raw descriptors: no lock a fork could inherit held
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "qlab.kernels.aot", str(write), repr(idle_exit)],
                 stdin=subprocess.PIPE, stdout=self.err, stderr=self.err, env=env,
-                pass_fds=(write,), text=True,
+                pass_fds=(write,),
             )  # fmt: skip
         except BaseException:
-            os.close(read)
+            os.close(self.replies)
             self.err.close()
             raise
         finally:
             os.close(write)
-        self.replies = os.fdopen(read, "r")
         self._LIVE.add(self)
 
     @classmethod
@@ -222,9 +231,11 @@ class _Server:
         """An idle process for `key`, if any; reaps every idle one that has ended."""
         with cls._LOCK:
             ended = [s for idle in cls._IDLE.values() for s in idle if s.proc.poll() is not None]
-            for idle in cls._IDLE.values():
-                idle[:] = [s for s in idle if s not in ended]
-            server = cls._IDLE[key].pop() if cls._IDLE.get(key) else None
+            for k in list(cls._IDLE):
+                cls._IDLE[k] = [s for s in cls._IDLE[k] if s not in ended]
+                if not cls._IDLE[k]:
+                    del cls._IDLE[k]
+            server = cls._IDLE[key].pop() if key in cls._IDLE else None
         for s in ended:
             s.close()
         if server is not None:
@@ -232,32 +243,24 @@ class _Server:
         return server
 
     def build(self, requests: list[dict], timeout: float) -> list[dict]:
-        self.ok, self.busy = False, True
-        timed_out = threading.Event()
-
-        def stop() -> None:
-            timed_out.set()
-            self.proc.kill()
-
-        timer = threading.Timer(timeout, stop)
+        """Send the requests; read the reply until `timeout` seconds have passed."""
+        self.ok = False
         err_start = os.fstat(self.err.fileno()).st_size
-        timer.start()
         try:
-            self.proc.stdin.write(json.dumps(requests) + "\n")
+            self.proc.stdin.write((json.dumps(requests) + "\n").encode())
             self.proc.stdin.flush()
-            line = self.replies.readline()
-        except OSError:  # it had ended before it read the requests
-            line = ""
-        finally:
-            timer.cancel()
-            timer.join()  # a kill that had begun as the reply came has finished
-            self.busy = False
-        if line.endswith("\n"):
+        except OSError:  # it had ended: reading below finds its end
+            pass
+        line, timed_out = self._read_reply(time.monotonic() + timeout)
+        self.busy = False
+        if line.endswith(b"\n"):
             reply = json.loads(line)  # nothing but _serve's json.dumps lines come this way
-            self.ok = not timed_out.is_set()
+            self.ok = True
             if "error" in reply:
                 raise RuntimeError(f"ahead-of-time build failed:\n{reply['error'][-4000:]}")
             return reply["results"]
+        if timed_out:
+            self.proc.kill()
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -265,51 +268,73 @@ class _Server:
             code = self.proc.wait()
         self.err.seek(err_start)
         tail = self.err.read().decode(errors="replace")[-4000:]
-        why = (f"timed out after {timeout:g} s" if timed_out.is_set()
+        why = (f"timed out after {timeout:g} s" if timed_out
                else f"its build process ended (exit code {code})")  # fmt: skip
         raise _NoReply(f"ahead-of-time build failed: {why}\n{tail}", code)
 
+    def _read_reply(self, deadline: float) -> tuple[bytes, bool]:
+        """Bytes up to the first newline, or all until the pipe's end; and whether the
+        deadline came first."""
+        chunks = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.replies], [], [], left)[0]:
+                return b"".join(chunks), True
+            chunk = os.read(self.replies, 1 << 20)
+            chunks.append(chunk)
+            if not chunk or chunk.endswith(b"\n"):  # one reply per request: nothing after it
+                return b"".join(chunks), False
+
     def release(self, keep: bool) -> None:
-        if keep and self.ok and self.proc.poll() is None:
+        if keep and self.ok and not self.killed and self.proc.poll() is None:
             with self._LOCK:
                 self._IDLE.setdefault(self.key, []).append(self)
         else:
+            if not self.ok or self.killed:
+                self.proc.kill()  # failed or never asked: no need to wait for it
             self.close()
 
     def close(self) -> None:
         """End the process: it ends when its input closes (killed if it has not in 10 s)."""
         self._LIVE.discard(self)
-        self.close_input()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.replies >= 0:
+            os.close(self.replies)
+            self.replies = -1
         self.err.close()
-
-    def close_input(self) -> None:
-        for f in (self.proc.stdin, self.replies):
-            try:
-                f.close()
-            except OSError:
-                pass
 
     @classmethod
     def close_all(cls) -> None:
         with cls._LOCK:
             servers = [s for idle in cls._IDLE.values() for s in idle]
             cls._IDLE.clear()
-        for server in servers:
-            server.close_input()  # all of them start ending at once
+        for server in servers:  # all of them start ending at once
+            try:
+                server.proc.stdin.close()
+            except OSError:
+                pass
         for server in servers:
             server.close()
 
     @classmethod
     def forget_in_child(cls) -> None:
-        """In a fork of this process: drop the kept processes, and close this fork's copies
-        of every build process's pipes, which would keep it from seeing its input close."""
+        """In a fork of this process: drop the kept processes, and point this fork's
+        copies of every build process's pipes at /dev/null (a plain dup2: no lock), so that
+        they never keep a build process from seeing its input close."""
+        null = os.open(os.devnull, os.O_RDWR)
         for server in list(cls._LIVE):
-            server.close_input()
+            for fd in (server.proc.stdin.fileno(), server.replies):
+                if fd >= 0:
+                    os.dup2(null, fd)
+        os.close(null)
         cls._IDLE, cls._LIVE = {}, weakref.WeakSet()
         cls._LOCK = threading.Lock()
 
@@ -613,13 +638,13 @@ def _main_loop_or_none(sass: str) -> dict | None:
 def _serve(fd: int, idle_exit: float) -> None:
     """The build process: for each line of requests on stdin, one line of results on pipe
     `fd`. Ends at the end of its input or after `idle_exit` seconds without a request."""
-    import select
     import signal
     import traceback
 
     # Ctrl-C in a terminal or a notebook signals the whole process group: the parent
     # decides what ends (compile_many kills the builds it is waiting for)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, lambda *_: None)  # caught, not ignored: tools it starts
+    # (ptxas, cuobjdump) get the default back when they exec
     os.set_inheritable(fd, False)  # a tool this build starts must not hold the reply pipe
     replies = os.fdopen(fd, "w")
     # select, then a buffered readline: right because the parent sends one line and waits
