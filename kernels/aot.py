@@ -137,7 +137,8 @@ def compile_many(requests: list[dict], timeout: float = 600, workers: int | None
     pool = ThreadPoolExecutor(workers)  # each thread waits on its own process
     try:
         futures = [pool.submit(build, share) for share in shares]
-        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in wait(futures, return_when=FIRST_EXCEPTION).done:
+            f.result()  # the first failure, whichever share it is in, raises here
         done = [f.result() for f in futures]
     except BaseException:  # an error or Ctrl-C: kill the builds in flight, do not wait
         with lock:
