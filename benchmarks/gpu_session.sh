@@ -19,7 +19,8 @@
 # as on a GPU. Either way it then counts the quick run's work (bench --plan; AOT=1 also
 # compiles every kernel of it for sm_90 and measures the compilation).
 #   BENCH_TIMEOUT=300 SHAPE_TIMEOUT=150 TEST_TIMEOUT=240 FULL=1 PY=python3 OUT=dir NO_PIP=1
-#   AOT=1  (all optional; NO_PIP=1 goes straight to the PYTHONPATH overlay)
+#   AOT=1 SKIP_BENCH=1 TEST_K=expr  (all optional; NO_PIP=1 goes straight to the PYTHONPATH
+#   overlay; SKIP_BENCH=1 and TEST_K, pytest's -k, rerun some tests in a few seconds)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -94,7 +95,9 @@ mode=--quick
 plots=
 [ "$have_mpl" = 1 ] || plots=--no-plots
 out_dir=$REPO/results
-if [ "$native" = 1 ]; then
+if [ -n "${SKIP_BENCH:-}" ]; then
+  say "SKIP_BENCH is set: no benchmark"
+elif [ "$native" = 1 ]; then
   say "benchmark $mode (timeout ${BENCH_TIMEOUT}s, ${SHAPE_TIMEOUT}s per shape)"
   timeout -k 10 "$BENCH_TIMEOUT" "$PY" -m qlab.kernels.bench $mode $plots --out "$out_dir" \
     --shape-timeout "$SHAPE_TIMEOUT" 2>&1 | tee "$LOGS/bench.log"
@@ -127,7 +130,7 @@ elif [ "$native" != 1 ] && [ "$interpret" != 1 ]; then
 else
   say "kernel correctness tests (timeout ${TEST_TIMEOUT}s; default configs, no autotuning)"
   QLAB_AUTOTUNE=0 timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
-    "$REPO"/tests/kernels/test_kernel_{w4a16,fp8,dequant,configs,safety}.py \
+    ${TEST_K:+-k "$TEST_K"} "$REPO"/tests/kernels/test_kernel_{w4a16,fp8,dequant,configs,safety}.py \
     2>&1 | tee "$LOGS/kernel_tests.log"
   tests_rc=${PIPESTATUS[0]}
   say "tests exit code $tests_rc"

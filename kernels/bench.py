@@ -51,9 +51,14 @@ from qlab.kernels import _backend, baselines, configs, plots, roofline
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 GROUP_SIZE = 128  # W4A16 group size used throughout the benchmark
 FLUSH_MIN_BYTES = 512 << 20  # read before every timed call: >= 8x an H100/H200's L2
+# GPU clock cycles spun (torch.cuda._sleep) after the flush: about 1 ms at 2 GHz, time for
+# the CPU to queue the whole call. The flush alone (about 110 us at 4.8 TB/s) was too short
+# for qlab's Python wrappers on the H200 run of 2026-12-04 (docs/KERNELS.md, "Measured").
+SPIN_CYCLES = 2_000_000
 MIN_REPS, MAX_REPS = 5, 200  # timed calls per row (as many as fit in rep_ms)
 TIMING = (f"median of single calls, each after reading a >= {FLUSH_MIN_BYTES >> 20} MB buffer "
-          "(L2 cold and clean), CUDA events around the call")  # fmt: skip
+          f"(L2 cold and clean) and a {SPIN_CYCLES:,}-cycle GPU spin (the CPU queues the "
+          "call meanwhile), CUDA events around the call")  # fmt: skip
 CUDA_FAULT_EXIT = 3  # a shape process's exit code after a CUDA fault
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 M_QUICK = (1, 16, 64, 256, 4096)
@@ -178,13 +183,14 @@ def flush_buffer(l2_bytes: int | None) -> torch.Tensor:
 
 def time_cold(fn, flush: torch.Tensor, rep_ms: float) -> float:
     """Median seconds of fn() over single calls, each after flush.sum() (a read: the
-    call's data is out of L2 and nothing dirty is left to write back), timed by CUDA events
-    around the call only. As many calls as fit in rep_ms (MIN_REPS..MAX_REPS). Launch
-    overhead stays out of the time as long as the CPU launches fn faster than the GPU reads
-    the flush buffer (over 100 us for 512 MB at an H100/H200's 3.35-4.8 TB/s)."""
+    call's data is out of L2 and nothing dirty is left to write back) and a GPU spin of
+    SPIN_CYCLES, timed by CUDA events around the call only. As many calls as fit in rep_ms
+    (MIN_REPS..MAX_REPS). Launch overhead stays out of the time as long as the CPU queues
+    all of fn's kernels before the GPU finishes the flush and the spin (about 1.1 ms)."""
 
     def once(start, end):
-        flush.sum()  # queued ahead of the call: the GPU is busy while fn is launched
+        flush.sum()  # queued ahead of the call, with the spin: the GPU is busy while
+        torch.cuda._sleep(SPIN_CYCLES)  # the CPU launches fn
         start.record()
         fn()
         end.record()

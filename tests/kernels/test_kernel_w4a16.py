@@ -120,8 +120,9 @@ def test_from_qtensor_takes_gptq_style_codes_including_minus_8():
     w = W4A16Weight.from_qtensor(qt)
     x = torch.randn(5, 128).half()
     for rows in (1, 5):  # GEMV and GEMM
-        y = w4a16_linear(x[:rows].to(DEVICE), w._replace(packed=w.packed.to(DEVICE),
-                                                          scales=w.scales.to(DEVICE)))  # fmt: skip
+        on_device = {f: getattr(w, f).to(DEVICE) for f in ("packed", "scales", "words")
+                     if getattr(w, f) is not None}
+        y = w4a16_linear(x[:rows].to(DEVICE), w._replace(**on_device))
         w_hat = codes.float() * scales.float()
         ref = x[:rows].float() @ w_hat.T
         problem = first_violation(y, ref, w4a16_bound(x[:rows], w_hat, ref, rows > 1))
