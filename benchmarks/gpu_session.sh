@@ -11,7 +11,7 @@
 #      JSON after every shape, so a timeout, an error or a CUDA fault keeps what was
 #      measured. GPU: results/bench_<GPU>_<date>.json and .jsonl (+ 2 PNGs with matplotlib).
 #   3. the kernel correctness tests natively, under their own timeout (with pytest)
-#   4. results and logs copied to $OUT when it is set (the device tool), always
+#   4. this session's results and logs copied to $OUT when it is set (the device tool), always
 # Exit code: the benchmark's when it failed (124: timed out), else the tests' (0: all good).
 # Rehearse on any CPU: `bash benchmarks/gpu_session.sh`. With numpy, the benchmark checks
 # every candidate on the Triton interpreter (no timing) and writes the roofline model;
@@ -31,6 +31,7 @@ SHAPE_TIMEOUT=${SHAPE_TIMEOUT:-150}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 LOGS=${SESSION_DIR:-$(mktemp -d /tmp/qlab_gpu_session.XXXX)}
 mkdir -p "$LOGS"
+STAMP=$(mktemp /tmp/qlab_gpu_session_started.XXXX)  # results newer than this are this session's
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 QLAB_GIT_COMMIT=${QLAB_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export QLAB_GIT_COMMIT
@@ -44,7 +45,9 @@ copy_out() {
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     cp -r "$LOGS"/. "$OUT"/ 2>/dev/null
-    cp "$REPO"/results/bench_*.json* "$REPO"/results/bench_*.png "$OUT"/ 2>/dev/null
+    # this session's results only, not the ones committed before it
+    find "$REPO"/results -maxdepth 1 -name 'bench_*' -newer "$STAMP" \
+      -exec cp {} "$OUT"/ \; 2>/dev/null
     say "copied results and logs to $OUT"
   fi
 }
@@ -131,6 +134,7 @@ else
   say "kernel correctness tests (timeout ${TEST_TIMEOUT}s; default configs, no autotuning)"
   QLAB_AUTOTUNE=0 timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
     ${TEST_K:+-k "$TEST_K"} "$REPO"/tests/kernels/test_kernel_{w4a16,fp8,dequant,configs,safety}.py \
+    "$REPO"/tests/kernels/test_w4a16_decode.py \
     2>&1 | tee "$LOGS/kernel_tests.log"
   tests_rc=${PIPESTATUS[0]}
   say "tests exit code $tests_rc"

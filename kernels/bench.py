@@ -7,10 +7,11 @@ bf16, torch._scaled_mm both accumulation modes, GEMM-only and end to end) is
   1. run once (compiling and autotuning) and CHECKED against qlab (kernels/tolerance.py);
      a wrong output is recorded and never timed;
   2. timed by ONE method for every row: CUDA events around single calls, each call after
-     a sum over a FLUSH buffer of at least 512 MiB and at least 8x L2 (10x an H100's 50 MB).
-     The sum only READS: L2 is left holding clean lines of that buffer, none of the call's
-     weights, and no dirty line whose write-back would be charged to the timed kernel
-     (do_bench's flush, zero_(), writes). Median of as many calls as fit in --rep-ms;
+     a sum over a FLUSH buffer of at least 512 MiB and at least 8x L2 (10x an H100's 50 MB)
+     and a GPU spin of SPIN_CYCLES (about 1 ms) while the CPU queues the call. The sum only
+     READS: L2 is left holding clean lines of that buffer, none of the call's weights, and
+     no dirty line whose write-back would be charged to the timed kernel (do_bench's flush,
+     zero_(), writes). Median of as many calls as fit in --rep-ms;
   3. put beside the roofline model's expected time for the matched datasheet device
      (kernels/roofline.py: a model, a lower bound), with the bound that applies and the
      percent of it achieved; speedups over bf16 and over the matching baseline.
@@ -52,8 +53,9 @@ RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 GROUP_SIZE = 128  # W4A16 group size used throughout the benchmark
 FLUSH_MIN_BYTES = 512 << 20  # read before every timed call: >= 8x an H100/H200's L2
 # GPU clock cycles spun (torch.cuda._sleep) after the flush: about 1 ms at 2 GHz, time for
-# the CPU to queue the whole call. The flush alone (about 110 us at 4.8 TB/s) was too short
-# for qlab's Python wrappers on the H200 run of 2026-12-04 (docs/KERNELS.md, "Measured").
+# the CPU to queue the whole call. With the flush alone (about 110 us at 4.8 TB/s), calls
+# through Python wrappers took up to 11.7x longer on an H200 (2026-12-04), most likely
+# their launch (docs/KERNELS.md, "Measured on an H200").
 SPIN_CYCLES = 2_000_000
 MIN_REPS, MAX_REPS = 5, 200  # timed calls per row (as many as fit in rep_ms)
 TIMING = (f"median of single calls, each after reading a >= {FLUSH_MIN_BYTES >> 20} MB buffer "

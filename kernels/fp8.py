@@ -105,7 +105,9 @@ class FP8Weight(NamedTuple):
 
 @triton.jit
 def round_to_e4m3(y):
-    """fp32 -> the nearest E4M3 value (ties to even, saturating at +-448), still in fp32."""
+    """fp32 -> the nearest E4M3 value (ties to even, saturating at +-448), still in fp32.
+    NaN gives +-448 (minimum drops it): _quantize_row masks NaN rows by their NaN scale;
+    a caller that does not mask gets +-448 for NaN."""
     a = tl.minimum(tl.abs(y), E4M3_MAX)  # saturate (qlab's default, like the OCP spec)
     # Biased fp32 exponent of a; below 2**-6 (E4M3 subnormals) the spacing stays 2**-9.
     e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
@@ -115,7 +117,7 @@ def round_to_e4m3(y):
     steps = (a * inv_quantum + ROUND_MAGIC) - ROUND_MAGIC  # a / quantum < 16, rounded RNE
     v = steps * quantum  # exact: back on the E4M3 grid
     # v >= 0 gets y's sign bit by an OR of the bits, so -0.0 stays -0.0 on every Triton:
-    # before 3.7 (3.6 measured on an H200), unary minus compiles to 0 - v, which is +0.0.
+    # with tl.where(negative, -v, v), Triton 3.6 on an H200 gave +0.0 where 3.9 gives -0.0.
     sign = y.to(tl.int32, bitcast=True) & -2147483648
     return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 

@@ -737,7 +737,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
         raise TypeError(f"w must be the W4A16Weight from pack_w4a16, got {type(w).__name__}")
     N, K = w.shape
     check_activation(x, K)
-    check_device(x, w.packed, w.scales)
+    check_device(x, w.packed, w.scales, *(() if w.words is None else (w.words,)))
 
     x2 = x.reshape(-1, K)  # shape: (M, K)
     M = x2.shape[0]

@@ -3,12 +3,13 @@
 Run as a script (``python _launch.py -f CONNECTION_FILE``) so it imports nothing of
 qlab before the limits are in place. Limits come from the environment:
 QLAB_GRADER_MEM_BYTES (RLIMIT_AS: a 10 GB allocation fails with MemoryError instead of
-taking the machine) and QLAB_GRADER_CPU_S (RLIMIT_CPU, a backstop to the grader's own
-wall-clock limit), and QLAB_GRADER_NPROC (RLIMIT_NPROC: set in the bwrap sandbox only,
-whose user namespace counts just the sandbox's own processes, to twice the submission's
-budget, a backstop for a fork loop between two of the supervisor's measurements; Linux
-does not apply it to root). Core dumps are off and written files are capped at 256 MB.
-The submission as a whole is held to its budget by the grader's supervisor (``budget.py``).
+taking the machine), QLAB_GRADER_CPU_S (RLIMIT_CPU, a backstop to the grader's own
+wall-clock limit) and QLAB_GRADER_NPROC (RLIMIT_NPROC, processes and threads: set in the
+bwrap sandbox only, whose user namespace counts just the sandbox's own on Linux >= 5.14
+(older kernels count all of the user's), to twice the submission's budget, a backstop for
+a fork loop between two of the supervisor's measurements; Linux does not apply it to
+root). Core dumps are off and written files are capped at 256 MB. The submission as a
+whole is held to its budget by the grader's supervisor (``budget.py``).
 """
 
 import os

@@ -133,9 +133,10 @@ def kernel_env(opts: GradeOptions, work: Path, tasks: list[Task]) -> dict[str, s
         "MPLCONFIGDIR": str(work / ".config" / "matplotlib"),
         "TRITON_CACHE_DIR": str(work / ".triton"),
         "PYTHONUSERBASE": site.getuserbase(),  # HOME moved: keep finding user packages
-        # twice the budget: the supervisor stops a submission past --procs and says so;
-        # an RLIMIT_NPROC of --procs itself would refuse the fork first, and the supervisor,
-        # which sees one more process (bwrap's, outside the namespace), might never see more
+        # twice the budget: the supervisor stops a submission past --procs and says so.
+        # At --procs itself the fork past the budget was refused (EAGAIN in the notebook),
+        # so the supervisor saw at most one process more (bwrap's, outside the namespace)
+        # and caught the breach only when its 50 ms sample fell on that moment
         **({"QLAB_GRADER_NPROC": str(2 * int(opts.procs))} if opts.isolation == BWRAP else {}),
         **{k: v for t in tasks for k, v in t.kernel_env.items()},
         **opts.env,

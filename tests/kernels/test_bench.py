@@ -87,7 +87,7 @@ def test_timing_reads_the_flush_buffer_before_every_call_and_times_the_call_only
     assert t == 2e-3
     spin = bench.SPIN_CYCLES  # time for the CPU to queue the call behind it
     one = ["read flush", spin, "record", "call", "record"]  # events around the call alone
-    # estimate: 3 flush + call pairs took 2 ms, so 20 ms holds 30 timed calls
+    # estimate: 3 flush + spin + call rounds took 2 ms, so 20 ms holds 30 timed calls
     assert seen == ["record"] + one * 3 + ["record", "sync"] + one * 30 + ["sync"]
     assert bench.FLUSH_MIN_BYTES >= 256 << 20 and "after reading" in bench.TIMING
     assert spin >= 1_000_000 and "spin" in bench.TIMING  # >= 0.5 ms at 2 GHz

@@ -10,11 +10,13 @@ registers, spills).
 
 import re
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import triton
 import triton.language as tl
 
 import qlab
@@ -281,6 +283,13 @@ def test_bound_catches_a_wrong_decode_layout():
 # groups per step) add 8 CS2R (the zeros of the masked x loads) and 4 (fp16) or 1 (bf16)
 # UIADD3: 212 and 242 (bf16: 64 registers, the cap below). Pinned under Triton 3.9 and its
 # ptxas. Issue 22's target: 4.
+ROOT = Path(__file__).resolve().parents[2]
+_PIN = re.search(r"^triton==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
+assert _PIN, "constraints.txt pins triton==X.Y.Z"
+PINNED_TRITON = _PIN[1]
+# SASS counts are ptxas's for the Triton CI pins; another Triton (3.6 on a lent H200) differs
+pinned_ptxas = pytest.mark.skipif(triton.__version__ != PINNED_TRITON,
+                                  reason=f"counts of Triton {PINNED_TRITON}'s ptxas")
 MAX_PER_WEIGHT_BYTE = {("fp16", False): 3.2, ("bf16", False): 3.7, ("fp16", True): 3.35,
                        ("bf16", True): 3.8}  # fmt: skip
 
@@ -297,6 +306,7 @@ def decode_builds() -> dict:
     return dict(zip(requests, aot.compile_many(list(requests.values())), strict=True))
 
 
+@pinned_ptxas
 def test_decode_gemv_sass_is_under_4_instructions_per_weight_byte(decode_builds):
     for (shape, dtype), r in decode_builds.items():
         assert r["kernel"] == "_w4a16_gemv_mma_kernel", shape
@@ -318,6 +328,7 @@ def test_decode_gemv_sass_is_under_4_instructions_per_weight_byte(decode_builds)
     assert square["grid"] == [32, 16]  # 32 blocks of 128 rows, K split 16 ways: 512 programs
 
 
+@pinned_ptxas
 def test_whole_decode_program_is_under_the_h200_issue_ridge(decode_builds):
     # The main loop is not all a program issues: its prologue and split-K epilogue run once
     # (89 + 76..79 instructions under Triton 3.9), around only 2 K steps at 4096 x 4096
