@@ -187,8 +187,9 @@ def time_cold(fn, flush: torch.Tensor, rep_ms: float) -> float:
     """Median seconds of fn() over single calls, each after flush.sum() (a read: the
     call's data is out of L2 and nothing dirty is left to write back) and a GPU spin of
     SPIN_CYCLES, timed by CUDA events around the call only. As many calls as fit in rep_ms
-    (MIN_REPS..MAX_REPS). Launch overhead stays out of the time as long as the CPU queues
-    all of fn's kernels before the GPU finishes the flush and the spin (about 1.1 ms)."""
+    (MIN_REPS..MAX_REPS). The CPU's launch stays out of the time as long as it queues all of
+    fn's kernels before the GPU finishes the flush and the spin (about 1.1 ms); the GPU's
+    own launch latency stays in."""
 
     def once(start, end):
         flush.sum()  # queued ahead of the call, with the spin: the GPU is busy while

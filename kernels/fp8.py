@@ -117,7 +117,8 @@ def round_to_e4m3(y):
     steps = (a * inv_quantum + ROUND_MAGIC) - ROUND_MAGIC  # a / quantum < 16, rounded RNE
     v = steps * quantum  # exact: back on the E4M3 grid
     # v >= 0 gets y's sign bit by an OR of the bits, so -0.0 stays -0.0 on every Triton:
-    # with tl.where(negative, -v, v), Triton 3.6 on an H200 gave +0.0 where 3.9 gives -0.0.
+    # with tl.where(negative, -v, v), Triton 3.6 on an H200 gave +0.0 where 3.9's
+    # interpreter gives -0.0.
     sign = y.to(tl.int32, bitcast=True) & -2147483648
     return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 

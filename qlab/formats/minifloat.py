@@ -136,7 +136,7 @@ class Minifloat:
         FP8 formats take torch's native float8 cast where this torch has one (a fused
         C++ loop, ~10x faster than the generic integer code below). Within +-max the two
         give the same codes bit for bit. Past +-max torch's casts differ by version (e4m3fn:
-        NaN in torch 2.11, seen on a GPU machine, +-max in 2.13; e5m2: inf), so to
+        NaN for 1e4 in torch 2.11, seen on a GPU machine, +-max in 2.13; e5m2: inf), so to
         saturate the input is first clamped to +-max (NaN stays NaN), which on the grid is
         the same as rounding and then saturating. tests/formats/test_minifloat.py checks all
         of it (10^6 values).
