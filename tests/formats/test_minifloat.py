@@ -68,7 +68,7 @@ def test_fp8_matches_torch_cast_bit_for_bit(name, tdtype):
     assert x.numel() >= 1_000_000
     x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan")])])
     # Within +-max torch's cast is the reference; past it torch's casts differ by version
-    # (e4m3fn: NaN in 2.11, +-max in 2.13; e5m2: inf), so saturation is checked against
+    # (e4m3fn: NaN for 1e4 in 2.11, +-max in 2.13; e5m2: inf), so saturation is checked against
     # clamp-then-cast and e5m2's overflow to inf (saturate=False) against torch's cast.
     # encode() may take torch's cast itself for FP8; encode_generic() is qlab's own codec.
     inside = ~(x.abs() > fmt.max)  # NaN included
@@ -85,7 +85,7 @@ def test_fp8_matches_torch_cast_bit_for_bit(name, tdtype):
 
 
 def test_encode_saturates_even_where_torchs_cast_gives_nan(monkeypatch):
-    # torch 2.11's e4m3fn cast gives NaN past +-448 (seen on a GPU machine); make this torch's
+    # torch 2.11's e4m3fn cast gave NaN for 1e4 (seen on a GPU machine); make this torch's
     # casts do that for both FP8 formats: encode() must still saturate, as the generic codec
     real_to = torch.Tensor.to
 
