@@ -136,10 +136,10 @@ class Minifloat:
         FP8 formats take torch's native float8 cast where this torch has one (a fused
         C++ loop, ~10x faster than the generic integer code below). Within +-max the two
         give the same codes bit for bit. Past +-max torch's casts differ by version (e4m3fn:
-        NaN for 1e4 in torch 2.11, seen on a GPU machine, +-max in 2.13; e5m2: inf), so to
-        saturate the input is first clamped to +-max (NaN stays NaN), which on the grid is
-        the same as rounding and then saturating. tests/formats/test_minifloat.py checks all
-        of it (10^6 values).
+        NaN for 1e4 in torch 2.11, seen on a GPU machine, +-max in 2.13; e5m2: inf from
+        61440 up), so to saturate the input is first clamped to +-max (NaN stays NaN),
+        which on the grid is the same as rounding and then saturating.
+        tests/formats/test_minifloat.py checks all of it (10^6 values).
         """
         x = as_float32(x)
         fast = _TORCH_FP8.get(self.name)

@@ -68,8 +68,9 @@ def test_fp8_matches_torch_cast_bit_for_bit(name, tdtype):
     assert x.numel() >= 1_000_000
     x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan")])])
     # Within +-max torch's cast is the reference; past it torch's casts differ by version
-    # (e4m3fn: NaN for 1e4 in 2.11, +-max in 2.13; e5m2: inf), so saturation is checked against
-    # clamp-then-cast and e5m2's overflow to inf (saturate=False) against torch's cast.
+    # (e4m3fn: NaN for 1e4 in 2.11, +-max in 2.13; e5m2: inf from 61440 up), so saturation is
+    # checked against clamp-then-cast and e5m2's overflow to inf (saturate=False) against
+    # torch's cast.
     # encode() may take torch's cast itself for FP8; encode_generic() is qlab's own codec.
     inside = ~(x.abs() > fmt.max)  # NaN included
     clamped = torch.clamp(x, -fmt.max, fmt.max).to(tdtype).view(torch.uint8)
