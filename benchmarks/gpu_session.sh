@@ -50,6 +50,7 @@ copy_out() {
       -exec cp {} "$OUT"/ \; 2>/dev/null
     say "copied results and logs to $OUT"
   fi
+  rm -f "$STAMP"
 }
 trap copy_out EXIT
 
