@@ -117,7 +117,7 @@ class Supervisor(threading.Thread):
     """Watches the processes below ``root`` and kills them all past ``budget``.
 
     ``reason`` holds what the last kill was for (cleared by :meth:`take_reason`);
-    ``peak_mem`` the largest memory total it measured.
+    ``peak_mem`` and ``peak_threads`` the largest totals it measured.
     """
 
     def __init__(self, budget: Budget, folder: Path | None = None, root: int | None = None,
@@ -126,7 +126,7 @@ class Supervisor(threading.Thread):
         self.budget, self.folder, self.interval = budget, folder, interval
         self.root = os.getpid() if root is None else root
         self.reason: str | None = None
-        self.peak_mem = 0
+        self.peak_mem = self.peak_threads = 0
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
 
@@ -163,6 +163,7 @@ class Supervisor(threading.Thread):
             except OSError:
                 continue
             self.peak_mem = max(self.peak_mem, mem)
+            self.peak_threads = max(self.peak_threads, threads)
             why = self._breach(mem, threads, disk)
             if why is not None:
                 with self._lock:

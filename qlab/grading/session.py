@@ -328,7 +328,9 @@ async def grade_in_kernels(
     budget = Budget(int(opts.mem_mb) * 2**20, int(opts.procs), int(opts.disk_mb) * 2**20)
     with Supervisor(budget, base) as run.supervisor:
         await _grade_loop(run, opts, base, env, tasks)
-    log.append(f"peak memory of its processes together: {run.supervisor.peak_mem // 2**20} MB")
+    sup = run.supervisor
+    log.append(f"peak memory of its processes together: {sup.peak_mem // 2**20} MB, "
+               f"peak processes and threads: {sup.peak_threads}")
     for task in run.remaining:
         run.results[task.grade_id] = _fail(
             task, f"not graded: the submission hit its wall-clock limit ({opts.wall:g}s)"
