@@ -55,6 +55,7 @@ _HARNESS_SRC = Path(_harness.__file__).read_text(encoding="utf-8")
 _LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 # bytes of one task call's result file; the largest legitimate result is well under 1 MB
 RESULT_LIMIT = 16 * 2**20
+_ERROR_CHARS = 200  # of an error a notebook cell raised, in the log
 # nbclient logs every timeout and dead kernel as an error; those are expected here and
 # end up in the submission's log instead
 _QUIET = logging.getLogger("qlab.grading.nbclient")
@@ -80,9 +81,15 @@ class GradeOptions:
 
 
 class _Client(NotebookClient):
-    """nbclient that keeps no outputs (results come back through a file, not stdout)."""
+    """nbclient that keeps no outputs (results come back through a file, not stdout), only
+    the error the last cell raised, for the log (``error``: "Name: message", or None)."""
+
+    error: str | None = None
 
     def output(self, outs, msg, display_id, cell_index):  # noqa: D401
+        if msg["msg_type"] == "error":
+            content = msg["content"]
+            self.error = f"{content.get('ename', '?')}: {content.get('evalue', '')}"[:_ERROR_CHARS]
         return None
 
     def handle_comm_msg(self, outs, msg, cell_index):
@@ -205,6 +212,7 @@ async def _run_cell(client: _Client, source: str, run: _Progress, limit: float) 
     cell = nbformat.v4.new_code_cell(source)
     client.nb.cells.append(cell)
     client.timeout = max(1, int(min(limit, run.seconds_left())))
+    client.error = None
     await client.async_execute_cell(cell, len(client.nb.cells) - 1, store_history=False)
 
 
@@ -224,6 +232,8 @@ async def _run_notebook_cells(client: _Client, run: _Progress, timeout: float) -
             note = f" (over its budget: {why})" if why else ""
             run.log.append(f"notebook code cell {i + 1} killed the kernel{note}; skipped")
         else:
+            if client.error is not None:  # the cell goes on being run: only said
+                run.log.append(f"notebook code cell {i + 1} raised {client.error}")
             continue
         run.bad_cells.add(i)
         return False

@@ -20,6 +20,7 @@ the first notebook in which some task keeps its solution.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import nbformat
@@ -197,6 +198,7 @@ def w8a8_matmul(x, w):
             "nf4_quantize_solution": [
                 "import os\nos._exit(3)",
                 "import ctypes\nctypes.string_at(0)",
+                "raise ValueError('boom ' * 100)",
             ],
         },
         set(),
@@ -334,6 +336,8 @@ def test_feedback_is_precise(graded):
     assert "could not be read" in subs["malformed_04_fp8"]["tasks"]["e4m3_decode"]["feedback"]
     log = " ".join(subs["crash_cells_03_nf4"]["log"])
     assert "timed out" in log and "killed the kernel" in log
+    raised = re.findall(r"notebook code cell \d+ raised (ValueError: (?:boom )+)", log)
+    assert raised and all(len(r) <= 200 for r in raised), log  # said, and cut to 200
 
 
 def test_csv_has_one_row_per_submission(graded):
