@@ -8,11 +8,12 @@ wall-clock limit) and QLAB_GRADER_NPROC (RLIMIT_NPROC, processes and threads: se
 bwrap sandbox only, whose user namespace counts just the sandbox's own on Linux >= 5.14
 (older kernels count all of the user's), to twice the submission's budget, a backstop for
 a fork loop between two of the supervisor's measurements; Linux does not apply it to
-root). For other users, the user's own limit (``ulimit -u``) still counts all of that
-user's processes and threads: where it leaves less room than the budget, a fork is
-refused (BlockingIOError, logged as the cell's error) before the supervisor sees a
-breach (docs/INSTRUCTORS.md). Core dumps are off and written files are capped at 256 MB.
-The submission as a whole is held to its budget by the grader's supervisor (``budget.py``).
+root). The user's own limit (``ulimit -u``; not for root) still counts all of that
+user's processes and threads, and a container's pids.max all of its tasks: where they
+leave less room than the budget, a fork is refused (BlockingIOError) before the
+supervisor sees a breach (docs/INSTRUCTORS.md). Core dumps are off and written files are
+capped at 256 MB. The submission as a whole is held to its budget by the grader's
+supervisor (``budget.py``).
 """
 
 import os

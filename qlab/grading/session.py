@@ -55,7 +55,9 @@ _HARNESS_SRC = Path(_harness.__file__).read_text(encoding="utf-8")
 _LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 # bytes of one task call's result file; the largest legitimate result is well under 1 MB
 RESULT_LIMIT = 16 * 2**20
-_ERROR_CHARS = 200  # of an error a notebook cell raised, in the log
+# the log keeps the errors of the first _MAX_RAISED notebook cells that raise one, each
+# once (cut to _ERROR_CHARS characters, what is not printable escaped)
+_ERROR_CHARS, _MAX_RAISED = 200, 10
 # nbclient logs every timeout and dead kernel as an error; those are expected here and
 # end up in the submission's log instead
 _QUIET = logging.getLogger("qlab.grading.nbclient")
@@ -89,7 +91,8 @@ class _Client(NotebookClient):
     def output(self, outs, msg, display_id, cell_index):  # noqa: D401
         if msg["msg_type"] == "error":
             content = msg["content"]
-            self.error = f"{content.get('ename', '?')}: {content.get('evalue', '')}"[:_ERROR_CHARS]
+            text = f"{content.get('ename', '?')}: {content.get('evalue', '')}"[:_ERROR_CHARS]
+            self.error = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
         return None
 
     def handle_comm_msg(self, outs, msg, cell_index):
@@ -106,6 +109,7 @@ class _Progress:
     deadline: float
     log: list[str]
     bad_cells: set[int] = field(default_factory=set)
+    raised: set[int] = field(default_factory=set)  # cells whose error is in the log
     results: dict[str, TaskResult] = field(default_factory=dict)
     starts: int = 0
     supervisor: Supervisor | None = None
@@ -232,8 +236,12 @@ async def _run_notebook_cells(client: _Client, run: _Progress, timeout: float) -
             note = f" (over its budget: {why})" if why else ""
             run.log.append(f"notebook code cell {i + 1} killed the kernel{note}; skipped")
         else:
-            if client.error is not None:  # the cell goes on being run: only said
-                run.log.append(f"notebook code cell {i + 1} raised {client.error}")
+            if client.error is not None and i not in run.raised:  # said once, kept running
+                run.raised.add(i)
+                if len(run.raised) <= _MAX_RAISED:
+                    run.log.append(f"notebook code cell {i + 1} raised {client.error}")
+                elif len(run.raised) == _MAX_RAISED + 1:
+                    run.log.append(f"more cells raised errors (the first {_MAX_RAISED} above)")
             continue
         run.bad_cells.add(i)
         return False

@@ -150,6 +150,9 @@ def w8a8_matmul(x, w):
     ),
 }
 
+# a top-level cell that raises, run at each of crash_cells' four kernel starts: logged once,
+# cut to 200 characters, the terminal's escape character escaped
+RAISER = "raise ValueError('\\x1b[2J' + 'boom ' * 100)"
 CRASH = {
     "crash_loop_01_affine": (
         "01_affine",
@@ -194,11 +197,10 @@ def w8a8_matmul(x, w):
         "03_nf4",
         {},
         {
-            "nf4_levels_solution": ["import time\nwhile True:\n    time.sleep(1)"],
+            "nf4_levels_solution": [RAISER, "import time\nwhile True:\n    time.sleep(1)"],
             "nf4_quantize_solution": [
                 "import os\nos._exit(3)",
                 "import ctypes\nctypes.string_at(0)",
-                "raise ValueError('boom ' * 100)",
             ],
         },
         set(),
@@ -336,8 +338,11 @@ def test_feedback_is_precise(graded):
     assert "could not be read" in subs["malformed_04_fp8"]["tasks"]["e4m3_decode"]["feedback"]
     log = " ".join(subs["crash_cells_03_nf4"]["log"])
     assert "timed out" in log and "killed the kernel" in log
-    raised = re.findall(r"notebook code cell \d+ raised (ValueError: (?:boom )+)", log)
-    assert raised and all(len(r) <= 200 for r in raised), log  # said, and cut to 200
+    code = [c.source for c in CASES["crash_cells_03_nf4"][1].cells if c.cell_type == "code"]
+    text = ("ValueError: \x1b[2J" + "boom " * 100)[:200].replace("\x1b", "\\x1b")
+    lines = subs["crash_cells_03_nf4"]["log"]
+    raised = [line for line in lines if re.match(r"notebook code cell \d+ raised ", line)]
+    assert raised == [f"notebook code cell {code.index(RAISER) + 1} raised {text}"], lines
 
 
 def test_csv_has_one_row_per_submission(graded):
