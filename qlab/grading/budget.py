@@ -19,8 +19,8 @@ bwrap sandbox every process a notebook starts stays below the grader (its PID na
 init adopts orphans); without the sandbox a process that detaches itself (double fork)
 leaves the tree and is not counted. How far a burst overshoots between two measurements
 is bounded by the per-process limits and the interval (in the sandbox RLIMIT_NPROC is
-twice the process budget, so a burst that ends within one interval can reach that and go
-unseen); tests/grading/test_grading_hostile.py measures it.
+twice the process budget and at least 512, so a burst that ends within one interval can
+reach that and go unseen); tests/grading/test_grading_hostile.py measures it.
 """
 
 from __future__ import annotations

@@ -55,9 +55,14 @@ _HARNESS_SRC = Path(_harness.__file__).read_text(encoding="utf-8")
 _LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 # bytes of one task call's result file; the largest legitimate result is well under 1 MB
 RESULT_LIMIT = 16 * 2**20
-# the log keeps the errors of the first _MAX_RAISED notebook cells that raise one, each
-# once (cut to _ERROR_CHARS characters, what is not printable escaped)
+# the log keeps the first error of each of the first _MAX_RAISED notebook cells that raise
+# one (escaped, then cut to _ERROR_CHARS characters)
 _ERROR_CHARS, _MAX_RAISED = 200, 10
+
+
+def _escape(text: str) -> str:
+    """Backslashes and what is not printable (escape codes, newlines) as Python writes them."""
+    return "".join(repr(c)[1:-1] if c == "\\" or not c.isprintable() else c for c in text)
 # nbclient logs every timeout and dead kernel as an error; those are expected here and
 # end up in the submission's log instead
 _QUIET = logging.getLogger("qlab.grading.nbclient")
@@ -91,8 +96,9 @@ class _Client(NotebookClient):
     def output(self, outs, msg, display_id, cell_index):  # noqa: D401
         if msg["msg_type"] == "error":
             content = msg["content"]
-            text = f"{content.get('ename', '?')}: {content.get('evalue', '')}"[:_ERROR_CHARS]
-            self.error = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+            name, value = str(content.get("ename", "?")), str(content.get("evalue", ""))
+            text = f"{name}: {value[:_ERROR_CHARS]}" if value else name
+            self.error = _escape(text)[:_ERROR_CHARS]
         return None
 
     def handle_comm_msg(self, outs, msg, cell_index):
@@ -147,8 +153,11 @@ def kernel_env(opts: GradeOptions, work: Path, tasks: list[Task]) -> dict[str, s
         # twice the budget: the supervisor stops a submission past --procs and says so.
         # At --procs itself the fork past the budget was refused (EAGAIN in the notebook),
         # so the supervisor saw at most one process more (bwrap's, outside the namespace)
-        # and caught the breach only when its 50 ms sample fell on that moment
-        **({"QLAB_GRADER_NPROC": str(2 * int(opts.procs))} if opts.isolation == BWRAP else {}),
+        # and caught the breach only when its 50 ms sample fell on that moment. At least
+        # 512: before Linux 5.14 it counts all of the user's processes, so a small budget's
+        # backstop would refuse honest kernels
+        **({"QLAB_GRADER_NPROC": str(max(2 * int(opts.procs), 512))}
+           if opts.isolation == BWRAP else {}),
         **{k: v for t in tasks for k, v in t.kernel_env.items()},
         **opts.env,
     }

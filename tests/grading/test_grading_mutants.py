@@ -39,6 +39,7 @@ from grading_bank import (
 
 from qlab.cli import main
 from qlab.grading import all_tasks, assignment_tasks, assignments
+from qlab.grading.grader import _code_cells
 
 SEED = 20261130
 # seconds per cell and task call: the solutions need at most ~2 s of CPU per task (fwht,
@@ -151,8 +152,10 @@ def w8a8_matmul(x, w):
 }
 
 # a top-level cell that raises, run at each of crash_cells' four kernel starts: logged once,
-# cut to 200 characters, the terminal's escape character escaped
+# the terminal's escape character escaped, cut to 200 characters; then 10 more raising
+# cells, of which the log keeps 9 and says there were more
 RAISER = "raise ValueError('\\x1b[2J' + 'boom ' * 100)"
+RAISERS = [f"raise KeyError({i})" for i in range(10)]
 CRASH = {
     "crash_loop_01_affine": (
         "01_affine",
@@ -201,6 +204,7 @@ def w8a8_matmul(x, w):
             "nf4_quantize_solution": [
                 "import os\nos._exit(3)",
                 "import ctypes\nctypes.string_at(0)",
+                *RAISERS,
             ],
         },
         set(),
@@ -338,11 +342,16 @@ def test_feedback_is_precise(graded):
     assert "could not be read" in subs["malformed_04_fp8"]["tasks"]["e4m3_decode"]["feedback"]
     log = " ".join(subs["crash_cells_03_nf4"]["log"])
     assert "timed out" in log and "killed the kernel" in log
-    code = [c.source for c in CASES["crash_cells_03_nf4"][1].cells if c.cell_type == "code"]
-    text = ("ValueError: \x1b[2J" + "boom " * 100)[:200].replace("\x1b", "\\x1b")
+    code = _code_cells(CASES["crash_cells_03_nf4"][1])  # the cells the grader numbers
+    said = [("ValueError: \\x1b[2J" + "boom " * 100)[:200]] + [f"KeyError: {i}" for i in range(9)]
     lines = subs["crash_cells_03_nf4"]["log"]
-    raised = [line for line in lines if re.match(r"notebook code cell \d+ raised ", line)]
-    assert raised == [f"notebook code cell {code.index(RAISER) + 1} raised {text}"], lines
+    said_in_log = re.compile(r"notebook code cell \d+ raised |more cells")
+    raised = [line for line in lines if said_in_log.match(line)]
+    assert raised == [
+        *(f"notebook code cell {code.index(src) + 1} raised {text}"
+          for src, text in zip([RAISER, *RAISERS], said, strict=False)),
+        "more cells raised errors (the first 10 above)",
+    ], lines
 
 
 def test_csv_has_one_row_per_submission(graded):
