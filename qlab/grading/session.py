@@ -56,13 +56,21 @@ _LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 # bytes of one task call's result file; the largest legitimate result is well under 1 MB
 RESULT_LIMIT = 16 * 2**20
 # the log keeps the first error of each of the first _MAX_RAISED notebook cells that raise
-# one (escaped, then cut to _ERROR_CHARS characters)
+# one (escaped, at most _ERROR_CHARS characters)
 _ERROR_CHARS, _MAX_RAISED = 200, 10
 
 
-def _escape(text: str) -> str:
-    """Backslashes and what is not printable (escape codes, newlines) as Python writes them."""
-    return "".join(repr(c)[1:-1] if c == "\\" or not c.isprintable() else c for c in text)
+def _escape(text: str, limit: int) -> str:
+    """Backslashes and what is not printable (escape codes, newlines) as Python writes them,
+    whole escapes only, at most ``limit`` characters."""
+    out, n = [], 0
+    for c in text:
+        e = repr(c)[1:-1] if c == "\\" or not c.isprintable() else c
+        if n + len(e) > limit:
+            break
+        out.append(e)
+        n += len(e)
+    return "".join(out)
 # nbclient logs every timeout and dead kernel as an error; those are expected here and
 # end up in the submission's log instead
 _QUIET = logging.getLogger("qlab.grading.nbclient")
@@ -89,16 +97,20 @@ class GradeOptions:
 
 class _Client(NotebookClient):
     """nbclient that keeps no outputs (results come back through a file, not stdout), only
-    the error the last cell raised, for the log (``error``: "Name: message", or None)."""
+    the error the last cell raised, for the log (``error``: "Name: message", or None; from
+    the cell's execute reply, not from tracebacks a cell displays)."""
 
     error: str | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, on_cell_error=self._raised, **kwargs)
+
+    def _raised(self, cell, cell_index, execute_reply) -> None:
+        content = execute_reply["content"]
+        name, value = str(content.get("ename", "?")), str(content.get("evalue", ""))
+        self.error = _escape(f"{name}: {value}" if value else name, _ERROR_CHARS)
+
     def output(self, outs, msg, display_id, cell_index):  # noqa: D401
-        if msg["msg_type"] == "error":
-            content = msg["content"]
-            name, value = str(content.get("ename", "?")), str(content.get("evalue", ""))
-            text = f"{name}: {value[:_ERROR_CHARS]}" if value else name
-            self.error = _escape(text)[:_ERROR_CHARS]
         return None
 
     def handle_comm_msg(self, outs, msg, cell_index):

@@ -52,8 +52,8 @@ MAXES = {"matrix_12_outliers": 8, "bob_12_outliers": 8}  # 12_outliers (else FUL
 # past PROCS inside the room that the grading user's own limit (ulimit -u, or a cgroup's
 # pids.max) leaves to all of the session's processes: CI (where such a limit applies) saw
 # no breach with --procs 256 and 400 `sleep`s; on the development machine (Linux 6.18),
-# running this module as a user other than root with ulimit -u 220, the spawner peaked
-# at 178 with no breach (and passes now).
+# running this module as a user other than root with ulimit -u 220, the spawner of 400
+# under --procs 256 peaked at 178 with no breach; these sizes pass there.
 MEM_MB, PROCS, DISK_MB = 2048, 64, 256
 SPAWN = 96
 SECRET = f"TOPSECRET-{os.getpid()}"
