@@ -288,7 +288,7 @@ def test_fork_and_allocate_and_process_bombs_are_stopped(graded):
     assert f"more than {PROCS} processes and threads" in spawner, why
     threads = {k: int(re.findall(r"peak processes and threads: (\d+)", " ".join(r["log"]))[-1])
                for k, r in rows.items() if k.startswith(("spawner", "student"))}
-    assert threads.pop("spawner_01_affine") > PROCS, spawner  # the peak line says it
+    assert threads.pop("spawner_01_affine") > PROCS, spawner  # the peak line parses, holds it
     assert max(threads.values()) < PROCS // 2, threads  # honest kernels: far inside --procs
     peak = int(re.search(r"peak memory of its processes together: (\d+) MB", forker)[1])
     print(f"fork-and-allocate: peak {peak} MB of a {MEM_MB} MB budget (8 GB attempted)")
@@ -425,6 +425,17 @@ def test_the_sandbox_nproc_backstop_is_twice_the_budget_and_at_least_512(tmp_pat
 
     assert (nproc(64, sandbox.BWRAP), nproc(1000, sandbox.BWRAP)) == ("512", "2000")
     assert nproc(64, sandbox.NONE) is None  # without the sandbox it would count the user's
+
+
+def test_the_launcher_keeps_each_limit_within_the_hard_limit(monkeypatch):
+    from qlab.grading import _launch
+
+    res, set_to = _launch.resource, []
+    monkeypatch.setattr(res, "setrlimit", lambda which, limits: set_to.append(limits))
+    for hard in (220, res.RLIM_INFINITY):
+        monkeypatch.setattr(res, "getrlimit", lambda which, hard=hard: (100, hard))
+        _launch._limit(res.RLIMIT_NPROC, 512)
+    assert set_to == [(220, 220), (512, 512)]
 
 
 def test_keys_for_any_name_and_formula_safe_cells():

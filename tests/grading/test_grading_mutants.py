@@ -152,9 +152,10 @@ def w8a8_matmul(x, w):
 }
 
 # a top-level cell that raises, run at each of crash_cells' four kernel starts: logged once,
-# the terminal's escape character and a backslash escaped, cut to 200 characters; then 10
+# the terminal's escape character and a backslash escaped, whole escapes within 200
+# characters (the next escape, 4 characters from character 198, is left out); then 10
 # more raising cells, of which the log keeps 9 and says there were more
-RAISER = "raise ValueError('\\x1b[2J\\\\' + 'boom ' * 100)"
+RAISER = "raise ValueError('\\x1b[2J\\\\' + 'a' * 176 + '\\x1b' + 'boom ' * 100)"
 RAISERS = [f"raise KeyError({i})" for i in range(10)]
 CRASH = {
     "crash_loop_01_affine": (
@@ -343,7 +344,7 @@ def test_feedback_is_precise(graded):
     log = " ".join(subs["crash_cells_03_nf4"]["log"])
     assert "timed out" in log and "killed the kernel" in log
     code = _code_cells(CASES["crash_cells_03_nf4"][1])  # the cells the grader numbers
-    said = [("ValueError: \\x1b[2J\\\\" + "boom " * 100)[:200]]  # escaped, then cut
+    said = ["ValueError: \\x1b[2J\\\\" + "a" * 176]  # 197 characters: \\x1b would pass 200
     said += [f"KeyError: {i}" for i in range(9)]
     lines = subs["crash_cells_03_nf4"]["log"]
     said_in_log = re.compile(r"notebook code cell \d+ raised |more cells")
