@@ -9,12 +9,13 @@ bwrap sandbox only, whose user namespace counts just the sandbox's own on Linux 
 (older kernels count all of the user's), to twice the submission's budget and at least
 512 (or the user's hard limit, if lower), a backstop for a fork loop between two of the
 supervisor's measurements; Linux does not apply it to root). The user's own limit
-(``ulimit -u``; not for the host's root; before 5.14 the backstop replaces a lower soft
-one) still counts all of that user's processes and threads, and a cgroup's pids.max all
-of its tasks: where they leave less room than the budget, a fork is refused
-(BlockingIOError; a new thread: RuntimeError) before the supervisor sees a breach
-(docs/INSTRUCTORS.md). Core dumps are off and written files are capped at 256 MB. The
-submission as a whole is held to its budget by the grader's supervisor (``budget.py``).
+(``ulimit -u``; not for the host's root; before 5.14, or where bwrap makes no user
+namespace, the backstop replaces a lower soft one) still counts all of that user's
+processes and threads, and a cgroup's pids.max all of its tasks: where they leave less
+room than the budget, a fork is refused (BlockingIOError; a new thread: RuntimeError)
+before the supervisor sees a breach (docs/INSTRUCTORS.md). Core dumps are off and written
+files are capped at 256 MB. The submission as a whole is held to its budget by the
+grader's supervisor (``budget.py``).
 """
 
 import os
