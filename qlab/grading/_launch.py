@@ -6,8 +6,8 @@ QLAB_GRADER_MEM_BYTES (RLIMIT_AS: a 10 GB allocation fails with MemoryError inst
 taking the machine), QLAB_GRADER_CPU_S (RLIMIT_CPU, a backstop to the grader's own
 wall-clock limit) and QLAB_GRADER_NPROC (RLIMIT_NPROC, processes and threads: set in the
 bwrap sandbox only, whose user namespace counts just the sandbox's own on Linux >= 5.14
-(older kernels count all of the user's), to twice the submission's budget and at least
-512 (or the user's hard limit, if lower), a backstop for a fork loop between two of the
+(older kernels count all of the user's), to twice the submission's budget, at least 512,
+never above the user's hard limit, a backstop for a fork loop between two of the
 supervisor's measurements; Linux does not apply it to root). The user's own limit
 (``ulimit -u``; not for the host's root; before 5.14, or where bwrap makes no user
 namespace, the backstop replaces a lower soft one) still counts all of that user's

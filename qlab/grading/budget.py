@@ -19,7 +19,7 @@ bwrap sandbox every process a notebook starts stays below the grader (its PID na
 init adopts orphans); without the sandbox a process that detaches itself (double fork)
 leaves the tree and is not counted. How far a burst overshoots between two measurements
 is bounded by the per-process limits and the interval (in the sandbox RLIMIT_NPROC is
-twice the process budget and at least 512, or the user's hard limit if lower, so a burst
+twice the process budget, at least 512, never above the user's hard limit, so a burst
 that ends within one interval can reach that and go unseen);
 tests/grading/test_grading_hostile.py measures the memory overshoot (a process burst's is
 not measured).

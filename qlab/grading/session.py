@@ -167,7 +167,7 @@ def kernel_env(opts: GradeOptions, work: Path, tasks: list[Task]) -> dict[str, s
         # so the supervisor saw at most one process more (bwrap's, outside the namespace)
         # and caught the breach only when its 50 ms sample fell on that moment. At least
         # 512: before Linux 5.14 it counts all of the user's processes, so a small budget's
-        # backstop would refuse honest kernels
+        # backstop would refuse the kernels of a user who runs a few hundred of them
         **({"QLAB_GRADER_NPROC": str(max(2 * int(opts.procs), 512))}
            if opts.isolation == BWRAP else {}),
         **{k: v for t in tasks for k, v in t.kernel_env.items()},
