@@ -55,6 +55,12 @@ _HARNESS_SRC = Path(_harness.__file__).read_text(encoding="utf-8")
 _LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 # bytes of one task call's result file; the largest legitimate result is well under 1 MB
 RESULT_LIMIT = 16 * 2**20
+# nbclient logs every timeout and dead kernel as an error; those are expected here and
+# end up in the submission's log instead
+_QUIET = logging.getLogger("qlab.grading.nbclient")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
+
 # the log keeps the first error of each of the first _MAX_RAISED notebook cells that raise
 # one (escaped, at most _ERROR_CHARS characters)
 _ERROR_CHARS, _MAX_RAISED = 200, 10
@@ -71,11 +77,6 @@ def _escape(text: str, limit: int) -> str:
         out.append(e)
         n += len(e)
     return "".join(out)
-# nbclient logs every timeout and dead kernel as an error; those are expected here and
-# end up in the submission's log instead
-_QUIET = logging.getLogger("qlab.grading.nbclient")
-_QUIET.addHandler(logging.NullHandler())
-_QUIET.propagate = False
 
 
 @dataclass

@@ -351,7 +351,7 @@ def test_feedback_is_precise(graded):
     raised = [line for line in lines if said_in_log.match(line)]
     assert raised == [
         *(f"notebook code cell {code.index(src) + 1} raised {text}"
-          for src, text in zip([RAISER, *RAISERS], said, strict=False)),
+          for src, text in zip([RAISER, *RAISERS[:9]], said, strict=True)),
         "more cells raised errors (the first 10 above)",
     ], lines
 
