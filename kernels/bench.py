@@ -54,9 +54,9 @@ GROUP_SIZE = 128  # W4A16 group size used throughout the benchmark
 FLUSH_MIN_BYTES = 512 << 20  # read before every timed call: >= 8x an H100/H200's L2
 # GPU clock cycles spun (torch.cuda._sleep) after the flush: about 1 ms at 2 GHz, time for
 # the CPU to queue the whole call. With the flush alone (about 110 us at 4.8 TB/s), calls
-# through Python wrappers took up to 5.1x the time on an H200 (2026-12-04) where neither
-# code nor launch config changed, the cause not established (docs/KERNELS.md, "Measured on
-# an H200").
+# through Python wrappers (ours) took up to 5.1x the time on an H200 (2026-12-04) where
+# neither code nor launch config changed (torch's eager FP8, launches not recorded, 5.9x),
+# the cause not established (docs/KERNELS.md, "Measured on an H200").
 SPIN_CYCLES = 2_000_000
 MIN_REPS, MAX_REPS = 5, 200  # timed calls per row (as many as fit in rep_ms)
 TIMING = (f"median of single calls, each after reading a >= {FLUSH_MIN_BYTES >> 20} MB buffer "
