@@ -36,6 +36,18 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _same_random_state():
+    """Every test starts from torch's global random state seeded with 0, whatever ran
+    before it in its worker: a test that draws with torch.randn and no generator gets the
+    same inputs under `make test`, `make test-fast` and alone. (Unseeded, the AWQ
+    salient-channel test drew a weight its search scored at alpha 0.2 in one order of
+    `make test-fast` and passed in others.)"""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def executed_chapters(tmp_path_factory) -> Path:
     """Where tests/notebooks/test_chapters.py leaves each chapter it executed; the site's

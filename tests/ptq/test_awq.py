@@ -64,9 +64,11 @@ def test_never_worse_than_rtn_on_its_objective(scheme, g, seed):
 
 def test_protects_salient_channels():
     # the situation AWQ is built for: a few input channels 20x larger than the rest
-    x, w = salient_inputs(2048, 256, seed=5), torch.randn(64, 256) * 0.02
+    x = salient_inputs(2048, 256, seed=5)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.02
     r = awq_search(w, x, "int3", 64)
-    assert r.best_alpha > 0.2  # a real scaling was chosen, not alpha = 0
+    # a real scaling was chosen, not alpha = 0 (0.25 here; 0.2 to 0.35 over weight seeds 0-29)
+    assert r.best_alpha > 0.2
     assert min(r.errors) < 0.7 * r.errors[0]  # measured ~0.5x of RTN's error
     assert r.scales[:4].min() > r.scales[4:].max()  # the salient channels scaled up most
 
