@@ -152,6 +152,7 @@ def _grades_a_class(path: str) -> bool:
     return file.suffix == ".py" and re.search(r"^CLASS_RUN = ", file.read_text(), re.M) is not None
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist runs without these two
 def pytest_xdist_make_scheduler(config, log):
     """Units of work as _unit says, in collection order (pytest-xdist's --dist loadgroup
     cannot group with pytest 9's node ids)."""
@@ -165,6 +166,7 @@ def pytest_xdist_make_scheduler(config, log):
     return Units(config, log)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
     """-n auto: the CPUs this process may use (affinity and cgroup quota), qlab's rule."""
     from qlab._tensor import usable_cpus
