@@ -45,7 +45,7 @@ test: setup llamacpp
 # the inner loop: every test not marked slow (no notebook runs, no builds); measured 45 s
 # of pytest on two idle AMD EPYC cores (at cca84ac, older code), 76 s (81 s with make) on
 # two idle 2.0 GHz Intel Xeon cores (at d7c71d8), 53 s (57 s with make) on two idle AMD
-# EPYC cores (at d198bce with this change's seeded tests)
+# EPYC cores (at 75e4fea)
 test-fast: setup
 	$(BIN)/python -m pytest $(PYTEST_N) tests -m "not slow"
 
