@@ -38,11 +38,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _same_random_state():
-    """Every test starts from torch's global random state seeded with 0, whatever ran
-    before it in its worker: a test that draws with torch.randn and no generator gets the
-    same inputs under `make test`, `make test-fast` and alone. (Unseeded, the AWQ
-    salient-channel test drew a weight its search scored at alpha 0.2 in one order of
-    `make test-fast` and passed in others.)"""
+    """Every test function starts from torch's global random state seeded with 0, whatever
+    ran before it in its worker (module and session fixtures run before the seed; none of
+    them calls torch's random functions directly without a generator): a test that draws
+    with torch.randn and no generator gets the same inputs under `make test`,
+    `make test-fast` and alone. (Unseeded, such inputs depended on the tests before: the
+    AWQ salient-channel test, which now has its own generator, failed in one order of
+    `make test-fast`.) nbval's notebooks in solutions/ run in their own kernels and are
+    not affected."""
     import torch
 
     torch.manual_seed(0)

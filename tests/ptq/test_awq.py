@@ -68,8 +68,8 @@ def test_protects_salient_channels():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.02
     r = awq_search(w, x, "int3", 64)
     # a real scaling was chosen, not alpha = 0 (0.25 here; 0.2 to 0.35 over weight seeds 0-29)
-    assert r.best_alpha > 0.2
-    assert min(r.errors) < 0.7 * r.errors[0]  # measured ~0.5x of RTN's error
+    assert r.best_alpha >= 0.2
+    assert min(r.errors) < 0.7 * r.errors[0]  # 0.40x of RTN's error here (0.37-0.53 by seed)
     assert r.scales[:4].min() > r.scales[4:].max()  # the salient channels scaled up most
 
 
