@@ -42,9 +42,9 @@ lab: setup
 test: setup llamacpp
 	QLAB_LLAMACPP=require $(BIN)/python -m pytest $(PYTEST_N) tests solutions $(PYTEST_NB)
 
-# the inner loop: every test in tests/ not marked slow (no notebook runs; it builds the
+# the inner loop: every test in tests/ not marked slow (no course notebook runs; it builds the
 # decode GEMV ahead of time for one SASS test, and compiles llama.cpp's quantizer, an oracle,
-# once with gcc into .cache/llamacpp); measured 45 s
+# once with gcc into .cache/llamacpp from its source, fetched with pip download); measured 45 s
 # of pytest on two idle AMD EPYC cores (at cca84ac, older code), 76 s (81 s with make) on
 # two idle 2.0 GHz Intel Xeon cores (at d7c71d8), 53 s (57 s with make) on two idle AMD
 # EPYC cores (at 75e4fea)
