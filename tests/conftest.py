@@ -90,6 +90,7 @@ SLOW = (
     "tests/gguf/test_gguf_llamacpp_tinylm.py",
     # `qlab grade` end to end: sandboxed kernels execute whole notebooks
     "tests/grading/test_grading_mutants.py",
+    "tests/grading/test_grading_wall_clock.py",
     "tests/grading/test_grading_sandbox.py",
     "tests/grading/test_grading_cli.py",
     "tests/grading/test_grading_hostile.py",
@@ -125,7 +126,7 @@ def pytest_collection_modifyitems(config, items):
             path = item.nodeid.split("::")[0]
             if (_class_run(item) is not None) != _grades_a_class(path):
                 raise pytest.UsageError(f"{path}: define CLASS_RUN as `CLASS_RUN = ...`")
-        items.sort(key=lambda item: _unit(item.nodeid) != BACKGROUND)
+        items.sort(key=lambda item: _hand_out(_unit(item.nodeid)))
 
 
 # `make test` runs the suite in one worker per usable CPU (pytest-xdist, -n auto). A unit
@@ -134,10 +135,26 @@ def pytest_collection_modifyitems(config, items):
 # what runs in the background (the chapters, the site's browser test that builds from
 # them, the modules that grade a class), which are one unit together, handed out first
 # and started by its first test (pytest_runtest_setup): while that worker's background
-# kernels and class runs work, the other workers take the test files, in collection order.
+# kernels and class runs work, the other workers take the test files: EARLY first (below),
+# then in collection order.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process is a worker of `pytest -n`
+# Units handed out right after the background one: they wait much of their time (JupyterLab
+# and its page in Chromium, a kernel that sleeps to its wall-clock limit) or are long (the
+# doc commands in a clean clone), so they run while the background's kernels can use the
+# CPU they leave, and the run ends on short units. Handed out last, as collection order had
+# them, they left a core idle for about 20 s and a worker running 45 s alone at the end.
+EARLY = (
+    "tests/notebooks/test_browser.py",
+    "tests/grading/test_grading_wall_clock.py",
+    "tests/test_readme_commands.py",
+)
 BACKGROUND = "background"  # the unit of the tests that wait for the background
 ROOT = Path(__file__).resolve().parents[1]  # node ids are relative to it
+
+
+def _hand_out(unit: str) -> int:
+    """Where a unit goes in the order units are handed out: background, EARLY, the rest."""
+    return 0 if unit == BACKGROUND else 1 if unit in EARLY else 2
 
 
 def _unit(nodeid: str) -> str:

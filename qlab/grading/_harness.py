@@ -329,6 +329,14 @@ def size_limit(limit, who=""):
                 raise SizeLimitError(found[0])
 
     class _Mode(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):
+            # torch wraps __torch_dispatch__ so that torch.compile skips it, a wrapper that
+            # imports torch._dynamo on its first call (1 s of CPU, measured). Where nothing
+            # has imported torch._dynamo, nothing has been compiled, so the method is kept
+            # plain; once a notebook has compiled something, torch's wrapper is used.
+            return "torch._dynamo" in sys.modules
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             check((args, kwargs))
             out = func(*args, **(kwargs or {}))

@@ -46,17 +46,31 @@ class Budget:
     disk_bytes: int  # bytes in the submission's private folder (and its tmpfs)
 
 
+def _read(path: str) -> bytes | None:
+    """A small /proc file's bytes; None when its process is gone. (os.open and one read:
+    a scan of every process every interval, half the CPU of Path.read_bytes, measured.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _ppids() -> dict[int, int]:
     """pid -> parent pid of every live process (zombies left out: they hold nothing)."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_bytes()
-        except OSError:
+        stat = _read(f"/proc/{name}/stat")
+        if stat is None:
             continue
-        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state, ppid
+        fields = stat[stat.rfind(b")") + 2 :].split(None, 2)  # "pid (comm) state ppid ..."
         if fields[0] != b"Z":
             out[int(name)] = int(fields[1])
     return out
@@ -77,16 +91,15 @@ def descendants(root: int) -> list[int]:
 
 def _status(pid: int) -> tuple[int, int]:
     """(private resident bytes, threads) of one process; (0, 0) when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
+    text = _read(f"/proc/{pid}/status")
+    if text is None:
         return 0, 0
     kb, threads = 0, 0
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssShmem"):
+        key, _, value = line.partition(b":")
+        if key in (b"RssAnon", b"RssShmem"):
             kb += int(value.split()[0])
-        elif key == "Threads":
+        elif key == b"Threads":
             threads = int(value)
     return kb * 1024, threads
 

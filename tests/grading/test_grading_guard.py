@@ -11,6 +11,8 @@ grade` (the hostile class of tests/grading/test_grading_hostile.py holds one).
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -26,6 +28,8 @@ SEEDS = tuple(range(8))
 RULE = "the spec forbids forming the n x n matrix"
 HEADER = """
 import math
+import subprocess
+import sys
 import numpy as np
 import torch
 
@@ -157,3 +161,22 @@ def test_only_fwht_declares_a_size_limit():
         if n >= 256:  # the last case: an n x n matrix never fits, whatever the rows
             assert n * n > limit.elements(*case)
     assert math.isclose(np.float32(limit.elements(torch.zeros(1, 12))), 144)
+
+
+def test_the_size_limit_does_not_import_torch_dynamo_and_holds_with_it():
+    """torch's dispatch-mode wrapper imports torch._dynamo (1 s of CPU per grading kernel);
+    the limit keeps its plain method where nothing imported torch._dynamo, and checks the
+    same with torch's wrapper once something did (a fresh process: the tests before this one
+    may have imported it)."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from qlab.grading import _harness
+        big = lambda v: torch.zeros(40, 40).sum() + v
+        for _ in range(2):
+            error = _harness.run_cases(big, [(torch.ones(3),)], limits=[100])[0]["error"]
+            print("torch._dynamo" in sys.modules, error.startswith("SizeLimit: <lambda> made"))
+            import torch._dynamo
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.stdout.split("\n")[:2] == ["False True", "True True"], done.stderr[-2000:]
