@@ -18,6 +18,7 @@ files are capped at 256 MB. The submission as a whole is held to its budget by t
 grader's supervisor (``budget.py``).
 """
 
+import gc
 import os
 import resource
 import sys
@@ -46,8 +47,19 @@ def main() -> None:
     # no debugger in a grading kernel: ipykernel imports debugpy when it can (140 more
     # modules, 0.08 s of CPU per kernel start, measured), and finds it missing here
     sys.modules["debugpy"] = None
-    from ipykernel import kernelapp
+    # ipykernel, and PyTorch, which the grader's first cell imports anyway before any of the
+    # notebook's code runs, imported with the cyclic garbage collector paused: 0.09 s less
+    # CPU per kernel start (1.69 -> 1.60 s, 20 paired runs on the course machine)
+    gc.disable()
+    try:
+        from ipykernel import kernelapp
 
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass  # the grader's first cell says what is missing
+    finally:
+        gc.enable()
     kernelapp.launch_new_instance()
 
 
