@@ -138,15 +138,18 @@ def pytest_collection_modifyitems(config, items):
 # kernels and class runs work, the other workers take the test files: EARLY first (below),
 # then in collection order.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process is a worker of `pytest -n`
-# Units handed out right after the background one: they wait much of their time (JupyterLab
-# and its page in Chromium, a kernel that sleeps to its wall-clock limit) or are long (the
-# doc commands in a clean clone), so they run while the background's kernels can use the
-# CPU they leave, and the run ends on short units. Handed out last, as collection order had
-# them, they left a core idle for about 20 s and a worker running 45 s alone at the end.
+# Units handed out right after the background one (prefixes of their files): they wait much
+# of their time (JupyterLab and its page in Chromium, a kernel that sleeps to its wall-clock
+# limit, each solution's kernel start under nbval) or are long (the doc commands in a clean
+# clone), so they run while the background's kernels can use the CPU they leave, and the
+# run ends on short units that keep both cores busy. Handed out last, as collection order
+# had them, they left a core idle for about 20 s, and the doc commands (45 s) ran at the
+# end on one worker, which finished 9 s after the other.
 EARLY = (
     "tests/notebooks/test_browser.py",
     "tests/grading/test_grading_wall_clock.py",
     "tests/test_readme_commands.py",
+    "solutions/",
 )
 BACKGROUND = "background"  # the unit of the tests that wait for the background
 ROOT = Path(__file__).resolve().parents[1]  # node ids are relative to it
@@ -154,7 +157,7 @@ ROOT = Path(__file__).resolve().parents[1]  # node ids are relative to it
 
 def _hand_out(unit: str) -> int:
     """Where a unit goes in the order units are handed out: background, EARLY, the rest."""
-    return 0 if unit == BACKGROUND else 1 if unit in EARLY else 2
+    return 0 if unit == BACKGROUND else 1 if unit.startswith(EARLY) else 2
 
 
 def _unit(nodeid: str) -> str:

@@ -189,11 +189,21 @@ def bwrap_argv(
     return [*args, "--chdir", os.path.realpath(chdir)]
 
 
+# the trials that passed in this process: (bwrap, the environment and Python folders that
+# bwrap_argv reads). A trial starts a Python that imports PyTorch (1.7 s of CPU), and a
+# process that grades several times (a notebook, a test session) need not repeat one that
+# worked; one that failed is tried again next time.
+_WORKED: set[tuple] = set()
+
+
 def _probe() -> str | None:
     """None when a bwrap sandbox with this Python works here, else what went wrong."""
     exe = shutil.which("bwrap")
     if exe is None:
         return "bwrap is not installed"
+    key = (exe, tuple(os.environ.get(k) for k in _PASS_ENV), tuple(python_roots()))
+    if key in _WORKED:
+        return None
     work = tempfile.mkdtemp(prefix="qlab-probe-")
     try:
         argv = bwrap_argv([work], [], {"HOME": work}, work)
@@ -206,6 +216,7 @@ def _probe() -> str | None:
     if done.returncode != 0:
         err = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         return f"bwrap cannot create a sandbox here: {err[:200]}"
+    _WORKED.add(key)
     return None
 
 

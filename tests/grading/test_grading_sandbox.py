@@ -481,6 +481,25 @@ def test_sandbox_modes(monkeypatch):
         sandbox.resolve("maybe")
 
 
+def test_a_sandbox_that_worked_is_not_tried_again_but_a_failed_one_is(monkeypatch):
+    _require_bwrap()
+    assert sandbox.resolve("on").level == sandbox.BWRAP  # a trial passed, with this environment
+    trials = []  # the trial sandboxes started (other threads' commands are not bwrap's)
+    run = subprocess.run
+
+    def counted(argv, *args, **kwargs):
+        if argv[0] == "bwrap":
+            trials.append(argv)
+        return run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox.subprocess, "run", counted)
+    assert sandbox.resolve("on").level == sandbox.BWRAP and trials == []
+    monkeypatch.setenv("TZ", "UTC")  # passed into the sandbox: a new trial
+    monkeypatch.setattr(sandbox, "_PROBE", "import sys; sys.exit(3)")
+    for n in (1, 2):  # it fails, and is tried again
+        assert "exit code 3" in sandbox.resolve("auto").reason and len(trials) == n
+
+
 def test_a_folder_that_holds_python_cannot_be_hidden(tmp_path, capsys):
     assert sandbox.hidden_paths_ok([str(ROOT)]) is not None
     assert sandbox.hidden_paths_ok([str(tmp_path)]) is None
