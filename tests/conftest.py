@@ -138,13 +138,14 @@ def pytest_collection_modifyitems(config, items):
 # kernels and class runs work, the other workers take the test files: EARLY first (below),
 # then in collection order.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process is a worker of `pytest -n`
-# Units handed out right after the background one (prefixes of their files): they wait much
-# of their time (JupyterLab and its page in Chromium, a kernel that sleeps to its wall-clock
-# limit, each solution's kernel start under nbval) or are long (the doc commands in a clean
-# clone), so they run while the background's kernels can use the CPU they leave, and the
-# run ends on short units that keep both cores busy. Handed out last, as collection order
-# had them, they left a core idle for about 20 s, and the doc commands (45 s) ran at the
-# end on one worker, which finished 9 s after the other.
+# Units handed out right after the background one (prefixes of their files): two wait much
+# of their time (JupyterLab and its page in Chromium; a kernel that sleeps to its wall-clock
+# limit), the doc commands in a clean clone take 45 s, and each solution under nbval starts
+# a kernel. Early, they run while the background's kernels can use the CPU they leave, and
+# the run ends on short units of in-process tests. In collection order (at 14c18c6) the
+# wall-clock test ran late, inside the background unit, beside one busy core for about
+# 20 s, and the doc commands and the solutions ran last: one worker finished 9 s after the
+# other.
 EARLY = (
     "tests/notebooks/test_browser.py",
     "tests/grading/test_grading_wall_clock.py",

@@ -132,8 +132,11 @@ def test_under_pytest_n_what_waits_for_the_background_is_the_first_unit(monkeypa
                 callspec=NS(params={"path": Path("0")}), add_marker=lambda mark: None)
              for i in ids]
     _conftest.pytest_collection_modifyitems(None, items)
-    assert [i.nodeid for i in items] == [chapter, site, graded, "tests/test_kv.py::t1",
-                                         "solutions/01.ipynb::Cell 0", "tests/test_kv.py::t2"]
+    # then the EARLY units (the solutions here), then the other files in collection order
+    assert [i.nodeid for i in items] == [chapter, site, graded, "solutions/01.ipynb::Cell 0",
+                                         "tests/test_kv.py::t1", "tests/test_kv.py::t2"]
+    assert [_conftest._hand_out(u) for u in ("background", "solutions/01.ipynb",
+            "tests/test_readme_commands.py", "tests/test_kv.py")] == [0, 1, 1, 2]  # fmt: skip
     assert {_conftest._unit(i) for i in (chapter, site, graded)} == {"background"}
     assert _conftest._unit("tests/test_kv.py::t2") == "tests/test_kv.py"
     assert _conftest._unit("solutions/01.ipynb::Cell 0") == "solutions/01.ipynb"

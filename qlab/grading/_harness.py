@@ -332,9 +332,11 @@ def size_limit(limit, who=""):
         @classmethod
         def _should_skip_dynamo(cls):
             # torch wraps __torch_dispatch__ so that torch.compile skips it, a wrapper that
-            # imports torch._dynamo on its first call (1 s of CPU, measured). Where nothing
-            # has imported torch._dynamo, nothing has been compiled, so the method is kept
-            # plain; once a notebook has compiled something, torch's wrapper is used.
+            # imports torch._dynamo on its first call (1 s of CPU, measured). torch decides
+            # when this class is made, at each size_limit: if nothing has imported
+            # torch._dynamo by then (nothing compiled), the method stays plain, and a
+            # function that compiles for the first time inside the limit can have torch.compile
+            # trace this method too; once torch._dynamo is imported, torch's wrapper is used.
             return "torch._dynamo" in sys.modules
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -47,14 +47,18 @@ class Budget:
 
 
 def _read(path: str) -> bytes | None:
-    """A small /proc file's bytes; None when its process is gone. (os.open and one read:
-    a scan of every process every interval, half the CPU of Path.read_bytes, measured.)"""
+    """The bytes of a /proc file; None when it cannot be read (its process is gone). Raw
+    os.open and os.read: half the CPU of Path.read_bytes in a scan of every process
+    (measured), and no decoding (a process may name itself with any bytes)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        return os.read(fd, 1 << 16)
+        parts = [os.read(fd, 1 << 16)]
+        while len(parts[-1]) == 1 << 16:  # a full buffer: there is more
+            parts.append(os.read(fd, 1 << 16))
+        return b"".join(parts)
     except OSError:
         return None
     finally:

@@ -189,10 +189,10 @@ def bwrap_argv(
     return [*args, "--chdir", os.path.realpath(chdir)]
 
 
-# the trials that passed in this process: (bwrap, the environment and Python folders that
-# bwrap_argv reads). A trial starts a Python that imports PyTorch (1.7 s of CPU), and a
-# process that grades several times (a notebook, a test session) need not repeat one that
-# worked; one that failed is tried again next time.
+# the trials that passed in this process, by their bwrap, Python, code and sandbox (its
+# command line, the work folder left out). A trial starts a Python that imports PyTorch
+# (1.7 s of CPU), and a process that grades several times (a notebook, a test session)
+# need not repeat one that worked; one that failed is tried again next time.
 _WORKED: set[tuple] = set()
 
 
@@ -201,7 +201,8 @@ def _probe() -> str | None:
     exe = shutil.which("bwrap")
     if exe is None:
         return "bwrap is not installed"
-    key = (exe, tuple(os.environ.get(k) for k in _PASS_ENV), tuple(python_roots()))
+    same = "/qlab-probe-work"  # in the key, for the work folder each trial makes
+    key = (exe, PYTHON, _PROBE, *bwrap_argv([same], [], {"HOME": same}, same))
     if key in _WORKED:
         return None
     work = tempfile.mkdtemp(prefix="qlab-probe-")

@@ -29,8 +29,9 @@ def symmetric_quantize(x, bits):
     path = tmp_path / "slow_01_affine.ipynb"
     nbformat.write(nb, str(path))
     start = time.monotonic()
-    # wall 20 s: the kernel start and the cells fit (even on a busy machine), the loop does not
-    row = grade_submission(path, "slow", GradeOptions(timeout=60, wall=20, seed=20261130))
+    # wall 20 s: the kernel start and the cells fit (even on a busy machine), the loop does not;
+    # any seed (the function never returns)
+    row = grade_submission(path, "slow", GradeOptions(timeout=60, wall=20, seed=1))
     assert time.monotonic() - start < 60
     assert row.total == 0 and row.max == 5
     assert "did not finish" in row.tasks["sym_quantize"]["feedback"]
