@@ -100,6 +100,7 @@ SLOW = (
     # the check() bank on many seeds, kernels on the interpreter, ahead-of-time builds,
     # subprocesses that import torch and triton afresh
     "tests/grading/test_grading_check.py::test_mutant_fails_on_every_seed",
+    "tests/grading/test_grading_guard.py::test_the_size_limit_does_not_import_torch_dynamo_and_holds_with_it",
     "tests/grading/test_grading_check.py::test_solution_passes_on_many_seeds",
     "tests/kernels/test_kernel_aot.py",
     "tests/kernels/test_exercise_kernels_aot.py",
@@ -142,10 +143,7 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process is a worker of `p
 # of their time (JupyterLab and its page in Chromium; a kernel that sleeps to its wall-clock
 # limit), the doc commands in a clean clone take 45 s, and each solution under nbval starts
 # a kernel. Early, they run while the background's kernels can use the CPU they leave, and
-# the run ends on short units of in-process tests. In collection order (at 14c18c6) the
-# wall-clock test ran late, inside the background unit, beside one busy core for about
-# 20 s, and the doc commands and the solutions ran last: one worker finished 9 s after the
-# other.
+# the run ends on short units of in-process tests, so both workers finish close together.
 EARLY = (
     "tests/notebooks/test_browser.py",
     "tests/grading/test_grading_wall_clock.py",

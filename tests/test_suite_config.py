@@ -27,6 +27,12 @@ def test_every_slow_entry_names_a_test_that_exists():
             assert re.search(rf"^def {name}\(", source, re.M), f"{path} has no test {name}"
 
 
+def test_every_early_entry_names_a_file_or_folder_that_exists():
+    """A renamed file must leave EARLY too, or it would silently go back to the end."""
+    for entry in _conftest.EARLY:
+        assert (REPO / entry).exists(), f"EARLY names {entry}, which does not exist"
+
+
 def test_make_test_runs_everything_and_test_fast_leaves_out_the_slow_tests():
     make = (REPO / "Makefile").read_text()
     test = re.search(r"^test: setup llamacpp\n\t(.+)$", make, re.M).group(1)

@@ -56,7 +56,7 @@ def _read(path: str) -> bytes | None:
         return None
     try:
         parts = [os.read(fd, 1 << 16)]
-        while len(parts[-1]) == 1 << 16:  # a full buffer: there is more
+        while len(parts[-1]) == 1 << 16:  # a full buffer: there may be more
             parts.append(os.read(fd, 1 << 16))
         return b"".join(parts)
     except OSError:

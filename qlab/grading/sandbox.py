@@ -189,15 +189,16 @@ def bwrap_argv(
     return [*args, "--chdir", os.path.realpath(chdir)]
 
 
-# the trials that passed in this process, by their bwrap, Python, code and sandbox (its
-# command line, the work folder left out). A trial starts a Python that imports PyTorch
-# (1.7 s of CPU), and a process that grades several times (a notebook, a test session)
-# need not repeat one that worked; one that failed is tried again next time.
+# the trials that passed in this process, by the bwrap found on PATH, the Python, the code
+# and the sandbox's command line (the work folder left out). A trial starts a Python that
+# imports PyTorch (1.7 s of CPU), and a process that grades several times (a notebook, a
+# test session) need not repeat one that worked; one that failed is tried again next time.
 _WORKED: set[tuple] = set()
 
 
 def _probe() -> str | None:
-    """None when a bwrap sandbox with this Python works here, else what went wrong."""
+    """None when a bwrap sandbox with this Python works here (or worked earlier in this
+    process, with the same command line), else what went wrong."""
     exe = shutil.which("bwrap")
     if exe is None:
         return "bwrap is not installed"

@@ -402,7 +402,8 @@ def test_the_supervisor_kills_a_fork_and_allocate_tree():
         # named with bytes that are not UTF-8 (prctl PR_SET_NAME; the children inherit it):
         # reading /proc/PID/status as text raised in the supervisor, which then stopped
         bomb = ("import ctypes, os, time\\n"
-                "ctypes.CDLL(None).prctl(15, b'\\\\xff\\\\xfe', 0, 0, 0)\\n"
+                "assert ctypes.CDLL(None).prctl(15, b'\\\\xff\\\\xfe', 0, 0, 0) == 0\\n"
+                "assert open('/proc/self/comm', 'rb').read() == b'\\\\xff\\\\xfe\\\\n'\\n"
                 "for _ in range(12):\\n    if os.fork() == 0:\\n"
                 "        x = b'1' * 2**27\\n        time.sleep(30)\\n        os._exit(0)\\n"
                 "time.sleep(30)")
