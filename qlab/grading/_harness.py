@@ -334,7 +334,7 @@ def size_limit(limit, who=""):
             # torch wraps __torch_dispatch__ so that torch.compile skips it, a wrapper that
             # imports torch._dynamo on its first call (1 s of CPU, measured). torch decides
             # when this class is made, at each size_limit: if nothing has imported
-            # torch._dynamo by then (nothing compiled), the method stays plain, and a
+            # torch._dynamo by then (so nothing was compiled), the method stays plain, and a
             # function that compiles for the first time inside the limit can have torch.compile
             # trace this method too; once torch._dynamo is imported, torch's wrapper is used.
             return "torch._dynamo" in sys.modules

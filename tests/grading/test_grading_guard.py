@@ -165,8 +165,9 @@ def test_the_size_limit_does_not_import_torch_dynamo_and_holds_with_it():
     """torch's dispatch-mode wrapper imports torch._dynamo (1 s of CPU in each grading kernel
     that checks a task with a size limit);
     the limit keeps its plain method where nothing imported torch._dynamo, takes torch's
-    wrapper once something did, and checks the same either way (a fresh process: the tests
-    before this one may have imported it)."""
+    wrapper once something did, and catches the large tensor both times (a fresh process:
+    the tests before this one may have imported it). A function that compiles inside the
+    limit is not tried here."""
     code = textwrap.dedent("""
         import sys, torch
         from qlab.grading import _harness
