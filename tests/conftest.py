@@ -143,7 +143,7 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # this process is a worker of `p
 # of their time (JupyterLab and its page in Chromium; a kernel that sleeps to its wall-clock
 # limit), the doc commands in a clean clone take 45 s, and each solution under nbval starts
 # a kernel. Early, they run while the background's kernels can use the CPU they leave, and
-# the run ends on short units of in-process tests, so both workers finish close together.
+# the run ends on short units of in-process tests, so the workers finish close together.
 EARLY = (
     "tests/notebooks/test_browser.py",
     "tests/grading/test_grading_wall_clock.py",

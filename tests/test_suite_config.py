@@ -28,7 +28,8 @@ def test_every_slow_entry_names_a_test_that_exists():
 
 
 def test_every_early_entry_names_a_file_or_folder_that_exists():
-    """A renamed file must leave EARLY too, or it would silently go back to the end."""
+    """A renamed file's EARLY entry must follow it, or the file would silently lose its early
+    place (handed out in collection order)."""
     for entry in _conftest.EARLY:
         assert (REPO / entry).exists(), f"EARLY names {entry}, which does not exist"
 
