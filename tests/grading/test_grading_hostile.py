@@ -421,6 +421,18 @@ def test_the_supervisor_kills_a_fork_and_allocate_tree():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_the_supervisor_reads_a_proc_file_to_its_end(tmp_path):
+    """budget._read reads 64 KiB at a time until a read comes back short: a file of exactly
+    one buffer, and one of several, come back whole (a status file can pass 64 KiB)."""
+    from qlab.grading.budget import _read
+
+    for size in (2**16, 4 * 2**16 + 123):
+        path = tmp_path / f"f{size}"
+        path.write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+        assert _read(str(path)) == path.read_bytes(), size
+    assert _read(str(tmp_path / "gone")) is None
+
+
 def test_the_sandbox_nproc_backstop_is_twice_the_budget_and_at_least_512(tmp_path):
     from qlab.grading.session import GradeOptions, kernel_env
 
